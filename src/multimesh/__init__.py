@@ -1,0 +1,18 @@
+"""MultiMesh for JAX: put parts of one jitted program on different submeshes (MPMD).
+
+>>> import multimesh as mm
+>>> mmesh = mm.make_mesh((2, 4), ("stage", "data"))
+>>> step = mm.jit(train_step, mesh=mmesh)   # tasks inside run on their submeshes
+"""
+
+from multimesh.api import Compiled as Compiled
+from multimesh.api import Lowered as Lowered
+from multimesh.api import MpmdFunction as MpmdFunction
+from multimesh.api import jit as jit
+from multimesh.mesh import MultiMesh as MultiMesh
+from multimesh.mesh import make_mesh as make_mesh
+from multimesh.tasks import task as task
+
+__version__ = "0.1.0"
+
+__all__ = ["Compiled", "Lowered", "MpmdFunction", "MultiMesh", "jit", "make_mesh", "task"]

@@ -1,0 +1,92 @@
+"""Label: give each equation its task (from name-stack markers) and resolve targets.
+
+A target is a submesh that fragments run on. With a MultiMesh, target ``i`` is
+``submesh(i)``; explicit ``mesh=`` tasks on the same devices as a submesh share its
+target, others get new targets after them. Meshes that partly overlap are an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.sharding import Mesh
+
+from multimesh import _compat
+from multimesh.compiler.inline import _sub_jaxprs, eqn_tasks, inner_tasks
+from multimesh.compiler.ir import FlatProgram, Labels, Target
+from multimesh.mesh import MultiMesh
+from multimesh.tasks import TaskRef
+
+_compat.register_exclusion(__file__)
+
+
+def _eqn_task(eqn: Any, memo: dict) -> TaskRef | None:
+    own = eqn_tasks(eqn)
+    refs = list(own)
+    for sub in _sub_jaxprs(eqn.params):
+        refs.extend(inner_tasks(sub, memo))
+    distinct = {(r.name, r.stage, r.mesh) for r in refs}
+    if len(distinct) > 1:
+        names = [r.name for r in own] or sorted({r.name for r in refs})
+        raise ValueError(
+            f"tasks {names} are nested (one task opened inside another, possibly via a "
+            "nested jit); tasks cannot nest. Close the outer task first, or merge them."
+        )
+    return refs[0] if refs else None
+
+
+def label(prog: FlatProgram, mmesh: MultiMesh | None) -> Labels:
+    """Map each equation to its task and target (stage index)."""
+    memo: dict = {}
+    tasks = [_eqn_task(e, memo) for e in prog.eqns]
+    targets: list[Target] = []
+    if mmesh is not None:
+        for i in range(mmesh.num_stages):
+            targets.append(Target(i, mmesh.submesh(i), f"stage{i}"))
+    by_devs: dict[tuple[int, ...], int] = {t.device_ids: t.index for t in targets}
+    owner: dict[int, tuple[int, str]] = {}  # device id -> (target, first task name)
+    for t in targets:
+        for d in t.device_ids:
+            owner[d] = (t.index, t.name)
+
+    def target_of(ref: TaskRef) -> int:
+        if ref.mesh is None:
+            assert mmesh is not None
+            return ref.stage % mmesh.num_stages  # virtual stage -> submesh
+        mesh: Mesh = ref.mesh
+        ids = tuple(int(d.id) for d in mesh.devices.flat)
+        if ids in by_devs:
+            return by_devs[ids]
+        for d in ids:
+            if d in owner:
+                _, other = owner[d]
+                raise ValueError(
+                    f"task {ref.name!r}: its mesh (devices {list(ids)}) overlaps the devices of "
+                    f"{other!r} without being the same submesh; tasks must use disjoint "
+                    "device sets, or exactly the same devices in the same order."
+                )
+        idx = len(targets)
+        targets.append(Target(idx, mesh, f"mesh{idx}"))
+        by_devs[ids] = idx
+        for d in ids:
+            owner[d] = (idx, ref.name)
+        return idx
+
+    stages: list[int | None] = []
+    task_meshes: list[Mesh | None] = []
+    for ref in tasks:
+        if ref is None:
+            stages.append(None)
+            task_meshes.append(None)
+            continue
+        idx = target_of(ref)
+        stages.append(idx)
+        task_meshes.append(ref.mesh if ref.mesh is not None else targets[idx].mesh)
+    if not targets:
+        import jax
+
+        dev = jax.devices()[0]
+        import numpy as np
+
+        targets.append(Target(0, Mesh(np.array([dev]), ("_mm",)), "default"))
+    return Labels(tasks=tasks, stages=stages, targets=targets, task_meshes=task_meshes)

@@ -1,0 +1,144 @@
+"""Rewrite the shardings captured in a fragment's equations to its submesh.
+
+Inside a task, shardings refer to the task's submesh: a bare ``PartitionSpec`` (traced on
+the submesh's abstract mesh), a ``NamedSharding`` on the global MultiMesh mesh whose spec
+omits the stage axis, ``shard_map`` over non-stage axes, and nested ``jax.jit``
+shardings. This pass maps every mesh found in equation parameters (recursively through
+nested jaxprs) to the fragment's concrete (or abstract) submesh, and raises a clear
+error for specs that name the stage axis or meshes on another submesh's devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.extend import core as jcore
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from multimesh import _compat
+
+_compat.register_exclusion(__file__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ctx:
+    target: Mesh  # the concrete mesh this equation runs on
+    global_mesh: Mesh | None
+    stage_axis: str | None
+    where: str  # "task 'embed'" or "untagged code placed on stage 1"
+
+    @property
+    def device_ids(self) -> frozenset[int]:
+        return frozenset(int(d.id) for d in self.target.devices.flat)
+
+
+def _spec_axes(spec: PartitionSpec) -> set[str]:
+    out: set[str] = set()
+    for entry in spec:
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            continue
+        if isinstance(entry, str):
+            out.add(entry)
+        else:
+            out.update(e for e in entry if isinstance(e, str))
+    return out
+
+
+def _check_spec(spec: PartitionSpec, ctx: Ctx) -> PartitionSpec:
+    if ctx.stage_axis is not None and ctx.stage_axis in _spec_axes(spec):
+        raise ValueError(
+            f"{ctx.where}: sharding spec {spec} names the stage axis {ctx.stage_axis!r}. "
+            "Inside a task, shardings refer to the task's submesh, which has no stage axis; "
+            f"drop {ctx.stage_axis!r} from the spec (placement across stages is what tasks do)."
+        )
+    return spec
+
+
+def _fit_spec(spec: PartitionSpec, names: tuple[str, ...]) -> PartitionSpec:
+    """Drop axes the target mesh does not have (only for type-level, all-Auto shardings)."""
+
+    def fit(entry: Any) -> Any:
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            return entry
+        if isinstance(entry, str):
+            return entry if entry in names else None
+        kept = tuple(e for e in entry if e in names)
+        return kept or None
+
+    return PartitionSpec(*(fit(e) for e in spec))
+
+
+def _is_global(mesh: Any, ctx: Ctx) -> bool:
+    return (
+        ctx.stage_axis is not None
+        and ctx.stage_axis in mesh.axis_names
+        and (ctx.global_mesh is None or mesh.axis_names == ctx.global_mesh.axis_names)
+    )
+
+
+def _mesh_devices(mesh: Mesh) -> frozenset[int]:
+    return frozenset(int(d.id) for d in mesh.devices.flat)
+
+
+def _concrete(mesh: Mesh, ctx: Ctx) -> Mesh:
+    if mesh is ctx.target or mesh == ctx.target:
+        return mesh
+    if _is_global(mesh, ctx):
+        return ctx.target
+    devs = _mesh_devices(mesh)
+    if devs == ctx.device_ids:
+        return mesh
+    raise ValueError(
+        f"{ctx.where}: a sharding refers to a mesh on devices {sorted(devs)}, but this code "
+        f"runs on the submesh with devices {sorted(ctx.device_ids)}. Inside a task, use the "
+        "task's submesh, a bare PartitionSpec, or the global MultiMesh mesh."
+    )
+
+
+def rewrite_value(v: Any, ctx: Ctx) -> Any:
+    if isinstance(v, NamedSharding):
+        m = v.mesh
+        if isinstance(m, AbstractMesh):
+            if _is_global(m, ctx):
+                _check_spec(v.spec, ctx)
+            spec = _fit_spec(v.spec, tuple(ctx.target.axis_names))
+            return NamedSharding(ctx.target.abstract_mesh, spec)
+        spec = _check_spec(v.spec, ctx) if _is_global(m, ctx) else v.spec
+        return NamedSharding(_concrete(m, ctx), spec, memory_kind=v.memory_kind)
+    if isinstance(v, AbstractMesh):
+        if v.empty:
+            return v
+        return ctx.target.abstract_mesh
+    if isinstance(v, Mesh):
+        return _concrete(v, ctx)
+    if isinstance(v, jcore.ClosedJaxpr):
+        return jcore.ClosedJaxpr(rewrite_jaxpr(v.jaxpr, ctx), v.consts)
+    if isinstance(v, jcore.Jaxpr):
+        return rewrite_jaxpr(v, ctx)
+    if isinstance(v, tuple):
+        return tuple(rewrite_value(x, ctx) for x in v)
+    if isinstance(v, list):
+        return [rewrite_value(x, ctx) for x in v]
+    return v
+
+
+def rewrite_params(prim: str, params: dict[str, Any], ctx: Ctx) -> dict[str, Any]:
+    out = {k: rewrite_value(p, ctx) for k, p in params.items()}
+    if prim == "shard_map" and ctx.stage_axis is not None:
+        mesh = params.get("mesh")
+        if mesh is not None and _is_global(mesh, ctx):
+            for k, p in out.items():
+                if isinstance(p, frozenset) and ctx.stage_axis in p:
+                    out[k] = p - {ctx.stage_axis}
+    return out
+
+
+def rewrite_eqn(eqn: Any, ctx: Ctx) -> Any:
+    if not eqn.params:
+        return eqn
+    return eqn.replace(params=rewrite_params(eqn.primitive.name, eqn.params, ctx))
+
+
+def rewrite_jaxpr(jaxpr: Any, ctx: Ctx) -> Any:
+    return jaxpr.replace(eqns=[rewrite_eqn(e, ctx) for e in jaxpr.eqns])

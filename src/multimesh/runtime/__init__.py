@@ -1,0 +1,1 @@
+"""The runtime: compile a plan's fragments and dispatch them in plan order."""

@@ -1,0 +1,71 @@
+"""Where program inputs already are: on one submesh, on several, or on the host."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from multimesh import _compat
+from multimesh.compiler.ir import ANY, Target
+
+_compat.register_exclusion(__file__)
+
+
+@dataclasses.dataclass(frozen=True)
+class InputInfo:
+    """How one flat argument relates to the plan's targets."""
+
+    loc: frozenset | None  # ANY (None) or the stages it is already on
+    mode: str  # "as_is" | "extract" | "put"
+    extract_specs: tuple[tuple[int, PartitionSpec], ...] = ()  # per stage (extract)
+
+
+def _committed(x: Any) -> bool:
+    return isinstance(x, jax.Array) and getattr(x, "committed", False) and not isinstance(
+        x, jax.core.Tracer
+    )
+
+
+def analyze(x: Any, targets: list[Target], stage_axis: str | None) -> InputInfo:
+    if not _committed(x):
+        return InputInfo(ANY, "put")
+    sh = x.sharding
+    devs = frozenset(int(d.id) for d in sh.device_set)
+    for t in targets:
+        if frozenset(t.device_ids) == devs and len(t.device_ids) == len(devs):
+            return InputInfo(frozenset({t.index}), "as_is")
+    specs: list[tuple[int, PartitionSpec]] = []
+    if isinstance(sh, NamedSharding) and stage_axis and stage_axis in sh.mesh.axis_names:
+        mesh = sh.mesh
+        if stage_axis not in _spec_axes(sh.spec):
+            dim = tuple(mesh.axis_names).index(stage_axis)
+            slices = {
+                tuple(int(d.id) for d in np.take(mesh.devices, j, axis=dim).flat): j
+                for j in range(mesh.devices.shape[dim])
+            }
+            for t in targets:
+                if t.device_ids in slices and tuple(t.mesh.axis_names) == tuple(
+                    n for n in mesh.axis_names if n != stage_axis
+                ):
+                    specs.append((t.index, sh.spec))
+    if not specs and sh.is_fully_replicated:
+        for t in targets:
+            if set(t.device_ids) <= devs:
+                specs.append((t.index, PartitionSpec()))
+    if specs:
+        return InputInfo(frozenset(s for s, _ in specs), "extract", tuple(specs))
+    return InputInfo(ANY, "put")
+
+
+def _spec_axes(spec: PartitionSpec) -> set[str]:
+    out: set[str] = set()
+    for e in spec:
+        if isinstance(e, str):
+            out.add(e)
+        elif isinstance(e, tuple):
+            out.update(e)
+    return out

@@ -1,0 +1,60 @@
+"""Transfers between submeshes: choose destination shardings and the fastest copy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from multimesh import _compat
+
+_compat.register_exclusion(__file__)
+
+
+def _spec_fits(spec: PartitionSpec, src_mesh: Any, dst: Mesh) -> bool:
+    for entry in spec:
+        if entry is None:
+            continue
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        for n in names:
+            if n not in dst.shape or (src_mesh is not None and dst.shape[n] != src_mesh.shape.get(n)):
+                return False
+    return True
+
+
+def dst_sharding(src: jax.sharding.Sharding, dst: Mesh, shape: tuple[int, ...]) -> NamedSharding:
+    """The sharding a value gets on another submesh: the same layout where possible."""
+    if isinstance(src, NamedSharding) and _spec_fits(src.spec, src.mesh, dst):
+        return NamedSharding(dst, src.spec)
+    return NamedSharding(dst, PartitionSpec())
+
+
+def same_layout(src: jax.sharding.Sharding, dst: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
+    """Whether shard i of ``src`` maps to shard i of ``dst`` (so a shard-wise copy works)."""
+    if len(src.device_set) != len(dst.device_set):
+        return False
+    a = list(src.devices_indices_map(shape).values())
+    b = list(dst.devices_indices_map(shape).values())
+    return a == b
+
+
+def union_sharding(shardings: list[NamedSharding], stage_axis: str) -> NamedSharding | None:
+    """A sharding over several submeshes' devices, replicated across them, if the
+    per-submesh shardings line up (same mesh shape and spec); else ``None``."""
+    first = shardings[0]
+    for s in shardings[1:]:
+        if (
+            not isinstance(s, NamedSharding)
+            or s.spec != first.spec
+            or s.mesh.axis_names != first.mesh.axis_names
+            or s.mesh.devices.shape != first.mesh.devices.shape
+        ):
+            return None
+    if not isinstance(first, NamedSharding) or stage_axis in first.mesh.axis_names:
+        return None
+    devs = np.stack([s.mesh.devices for s in shardings])
+    mesh = Mesh(devs, (stage_axis, *first.mesh.axis_names), axis_types=(
+        jax.sharding.AxisType.Auto,) * devs.ndim)
+    return NamedSharding(mesh, first.spec)

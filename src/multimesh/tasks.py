@@ -1,0 +1,232 @@
+"""Tasks: regions of a program that run on one submesh.
+
+``with mm.task("embed", stage=0): ...`` marks everything traced inside (and, through
+JAX's name stacks, its gradient) as belonging to submesh 0. A task is a
+``jax.named_scope`` whose name carries a reserved marker (``<name>@mm:s<stage>`` or
+``<name>@mm:m<mesh id>``); no custom primitive is needed, so tasks survive ``grad``,
+``vmap``, ``checkpoint`` and Flax. Outside ``mm.jit`` a task is transparent: the
+program runs as ordinary JAX. While ``mm.jit`` traces, a task also sets the abstract
+mesh to its submesh, so bare ``PartitionSpec``s and ``shard_map`` refer to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import re
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from multimesh import _compat
+from multimesh.mesh import MultiMesh, active_multimesh
+
+_compat.register_exclusion(__file__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+MARKER = "@mm:"
+_MARKER_RE = re.compile(r"^(?P<name>.*)@mm:(?P<kind>[sm])(?P<idx>\d+)$")
+
+# Interning table for explicit task meshes: a marker must be self-describing, because JAX
+# may reuse a jaxpr traced earlier (e.g. a cached nested jit).
+_MESH_LOCK = threading.Lock()
+_MESH_IDS: dict[Mesh, int] = {}
+_MESHES: list[Mesh] = []
+
+
+def _mesh_id(mesh: Mesh) -> int:
+    with _MESH_LOCK:
+        if mesh not in _MESH_IDS:
+            _MESH_IDS[mesh] = len(_MESHES)
+            _MESHES.append(mesh)
+        return _MESH_IDS[mesh]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskRef:
+    """A task as recorded in a name stack: its name and either a stage or a mesh."""
+
+    name: str
+    stage: int | None
+    mesh: Mesh | None
+
+
+def decode_marker(scope: str) -> TaskRef | None:
+    """Parse a named-scope string; ``None`` if it is not a task marker."""
+    if MARKER not in scope:
+        return None
+    m = _MARKER_RE.match(scope)
+    if m is None:
+        return None
+    idx = int(m["idx"])
+    if m["kind"] == "s":
+        return TaskRef(m["name"], idx, None)
+    return TaskRef(m["name"], None, _MESHES[idx])
+
+
+@dataclasses.dataclass
+class TraceState:
+    """Set while ``mm.jit`` traces a program."""
+
+    multimesh: MultiMesh | None
+    max_stage: int | None = None  # virtual stages allowed (interleaving); None = num_stages
+
+
+_TRACE: contextvars.ContextVar[TraceState | None] = contextvars.ContextVar(
+    "multimesh_trace", default=None
+)
+_CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "multimesh_task", default=None
+)
+
+
+def trace_state() -> TraceState | None:
+    return _TRACE.get()
+
+
+@contextlib.contextmanager
+def tracing(state: TraceState):
+    tok = _TRACE.set(state)
+    try:
+        yield state
+    finally:
+        _TRACE.reset(tok)
+
+
+def _check_mesh(mesh: Any, name: str, mmesh: MultiMesh | None) -> Mesh:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"task {name!r}: mesh= must be a jax.sharding.Mesh, got {type(mesh).__name__}."
+        )
+    if any(t == AxisType.Explicit for t in mesh.axis_types):
+        raise ValueError(
+            f"task {name!r}: its mesh has Explicit axes; MultiMesh supports Auto axes. Build "
+            "it with jax.sharding.Mesh(devices, names, axis_types=(AxisType.Auto,) * ndim)."
+        )
+    if mmesh is not None:
+        known = {d.id for d in mmesh.devices}
+        foreign = sorted(d.id for d in mesh.devices.flat if d.id not in known)
+        if foreign:
+            raise ValueError(
+                f"task {name!r}: its mesh uses devices {foreign} that are not in the "
+                f"MultiMesh {mmesh}; use devices of that MultiMesh (or pass no mesh= to mm.jit)."
+            )
+    return mesh
+
+
+def resolve(name: str, stage: Any, mesh: Any) -> tuple[str, Mesh]:
+    """Validate a task's arguments; return its marker scope name and its submesh."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a task name must be a non-empty str, got {name!r}.")
+    if MARKER in name:
+        raise ValueError(f"task name {name!r} must not contain {MARKER!r}.")
+    if (stage is None) == (mesh is None):
+        raise ValueError(
+            f"task {name!r}: give exactly one of stage= (an index into the active MultiMesh) "
+            f"or mesh= (a jax.sharding.Mesh); got stage={stage!r}, mesh={mesh!r}."
+        )
+    state = trace_state()
+    mmesh = state.multimesh if state is not None and state.multimesh else active_multimesh()
+    if mesh is not None:
+        mesh = _check_mesh(mesh, name, mmesh)
+        return f"{name}{MARKER}m{_mesh_id(mesh)}", mesh
+    if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)):
+        raise TypeError(f"task {name!r}: stage must be an int, got {stage!r}.")
+    stage = int(stage)
+    if mmesh is None:
+        raise ValueError(
+            f"task {name!r}: stage={stage} needs an active MultiMesh; pass mesh=mmesh to "
+            "mm.jit, or wrap the call in `with mmesh:`."
+        )
+    limit = mmesh.num_stages
+    if state is not None and state.max_stage is not None:
+        limit = state.max_stage
+    if not 0 <= stage < limit:
+        raise ValueError(
+            f"task {name!r}: stage={stage} is out of range; the MultiMesh has "
+            f"{mmesh.num_stages} stages (valid: 0..{mmesh.num_stages - 1})."
+        )
+    return f"{name}{MARKER}s{stage}", mmesh.submesh(stage % mmesh.num_stages)
+
+
+class _Task:
+    """Context manager (and decorator) placing traced code on one submesh."""
+
+    def __init__(self, name: str, stage: int | None, mesh: Mesh | None) -> None:
+        self.name, self.stage, self.mesh = name, stage, mesh
+        self._stack: list[tuple[contextlib.ExitStack, contextvars.Token]] = []
+
+    def __enter__(self) -> _Task:
+        outer = _CURRENT.get()
+        if outer is not None:
+            raise ValueError(
+                f"task {self.name!r} is nested inside task {outer!r}; tasks cannot nest. "
+                "Close the outer task first, or merge the two into one task."
+            )
+        scope, submesh = resolve(self.name, self.stage, self.mesh)
+        es = contextlib.ExitStack()
+        es.enter_context(jax.named_scope(scope))
+        if trace_state() is not None:
+            es.enter_context(_compat.use_abstract_mesh(submesh.abstract_mesh))
+        tok = _CURRENT.set(self.name)
+        self._stack.append((es, tok))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        es, tok = self._stack.pop()
+        _CURRENT.reset(tok)
+        es.__exit__(*exc)
+
+    def __call__(self, fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapped  # type: ignore[return-value]
+
+
+@overload
+def task(name: str, *, stage: int | None = None, mesh: Mesh | None = None) -> _Task: ...
+@overload
+def task(fn: F, *, name: str | None = None, stage: int | None = None, mesh: Mesh | None = None) -> F: ...
+@overload
+def task(*, name: str, stage: int | None = None, mesh: Mesh | None = None) -> _Task: ...
+
+
+def task(
+    name_or_fn: Any = None,
+    *,
+    name: str | None = None,
+    stage: int | None = None,
+    mesh: Mesh | None = None,
+) -> Any:
+    """Place code (and its gradient) on one submesh.
+
+    ``with mm.task("embed", stage=0): ...`` or ``mm.task(fn, stage=0)``. Give exactly
+    one of ``stage`` (an index into the active MultiMesh) or ``mesh`` (a
+    ``jax.sharding.Mesh`` whose devices belong to the program). Outside ``mm.jit`` a
+    task is transparent.
+    """
+    if callable(name_or_fn) and not isinstance(name_or_fn, str):
+        fn = name_or_fn
+        tname = name or getattr(fn, "__name__", None) or "task"
+        return _Task(tname, stage, mesh)(fn)
+    if name_or_fn is not None and name is not None:
+        raise TypeError("give the task name once: mm.task('name', ...) or mm.task(name='name').")
+    tname = name_or_fn if name_or_fn is not None else name
+    if tname is None:
+        raise TypeError("mm.task needs a name: mm.task('name', stage=...).")
+    if (stage is None) == (mesh is None):
+        raise ValueError(
+            f"task {tname!r}: give exactly one of stage= or mesh=; "
+            f"got stage={stage!r}, mesh={mesh!r}."
+        )
+    return _Task(tname, stage, mesh)
