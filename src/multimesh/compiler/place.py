@@ -87,63 +87,87 @@ def place(
             loc[o] = out_loc
 
     # --- demand: walk backwards from the outputs --------------------------------------
+    producer: dict[Any, int] = {}
+    for i, e in enumerate(prog.eqns):
+        for o in e.outvars:
+            producer[o] = i
+    instances: list[set[int]] = [set() for _ in range(n)]
     needed: dict[Any, set[int]] = {}
     transfers: dict[tuple[Any, int], int] = {}
     used: set[Any] = set()
-    out_positions: dict[Any, list[int]] = {}
-    for k, v in enumerate(prog.outvars):
-        if not isinstance(v, Literal):
-            out_positions.setdefault(v, []).append(k)
-    outputs: list[list[int]] = [[] for _ in prog.outvars]
 
-    def demand(v: Any, s: int) -> None:
-        if isinstance(v, Literal):
-            return
-        used.add(v)
-        l = loc[v]
-        if l is ANY or s in l:
-            needed.setdefault(v, set()).add(s)
-            return
-        if (v, s) in transfers:
-            return
-        have = needed.get(v, set()) & l
-        src = min(have) if have else min(l)
-        needed.setdefault(v, set()).add(src)
-        transfers[(v, s)] = src
+    def demand(v0: Any, s0: int) -> None:
+        work = [(v0, s0)]
+        while work:
+            v, s = work.pop()
+            if isinstance(v, Literal):
+                continue
+            used.add(v)
+            l = loc[v]
+            if not (l is ANY or s in l):
+                if (v, s) in transfers:
+                    continue
+                have = needed.get(v, set()) & l
+                src = min(have) if have else min(l)
+                transfers[(v, s)] = src
+                s = src
+            have = needed.setdefault(v, set())
+            if s in have:
+                continue
+            have.add(s)
+            j = producer.get(v)
+            if j is not None and floating[j] and s not in instances[j]:
+                instances[j].add(s)
+                work.extend((a, s) for a in prog.eqns[j].invars)
 
-    def resolve_output(v: Any) -> None:
-        if v not in out_positions:
-            return
-        used.add(v)
-        l = loc[v]
-        have = needed.setdefault(v, set())
-        if not have:
-            have.add(default_stage if l is ANY or default_stage in l else min(l))
-        stages = sorted(have)
-        for k in out_positions[v]:
-            outputs[k] = stages
-
-    instances: list[list[int]] = [[] for _ in range(n)]
+    outs = [v for v in prog.outvars if not isinstance(v, Literal)]
+    used.update(outs)
+    for v in outs:
+        j = producer.get(v)
+        if j is not None and not floating[j]:
+            demand(v, placed[j])  # type: ignore[arg-type]
+        elif j is None and loc[v] is not ANY and len(loc[v]) == 1:
+            demand(v, min(loc[v]))
     for i in range(n - 1, -1, -1):
         e = prog.eqns[i]
-        for o in e.outvars:
-            resolve_output(o)
         if floating[i]:
-            stages = sorted(set().union(*[needed.get(o, set()) for o in e.outvars]))
-        else:
-            live = e.effects or any(o in used for o in e.outvars)
-            stages = [placed[i]] if live else []  # type: ignore[list-item]
-        instances[i] = stages
-        for s in stages:
+            continue
+        if e.effects or any(o in used for o in e.outvars):
+            s = placed[i]
+            instances[i].add(s)  # type: ignore[arg-type]
             for a in e.invars:
-                demand(a, s)
-    for v in list(prog.invars) + list(prog.constvars):
-        resolve_output(v)
+                demand(a, s)  # type: ignore[arg-type]
+
+    # floating outputs nobody else needs: put them where their inputs are needed
+    for v in outs:
+        if needed.get(v):
+            continue
+        l = loc[v]
+        j = producer.get(v)
+        score: dict[int, int] = {}
+        if j is not None:
+            for a in prog.eqns[j].invars:
+                if not isinstance(a, Literal):
+                    for s in needed.get(a, ()):
+                        score[s] = score.get(s, 0) + aval_nbytes(a.aval)
+        if l is not ANY:
+            score = {s: b for s, b in score.items() if s in l}
+        if score:
+            best = min(score, key=lambda s: (-score[s], s))
+        elif l is ANY or default_stage in l:
+            best = default_stage
+        else:
+            best = min(l)
+        demand(v, best)
+    outputs = [[] if isinstance(v, Literal) else sorted(needed[v]) for v in prog.outvars]
 
     input_stages = {
         v: sorted(needed[v]) for v in list(prog.invars) + list(prog.constvars) if needed.get(v)
     }
     moves = [(v, src, dst) for (v, dst), src in transfers.items()]
     return Placement(
-        instances=instances, input_stages=input_stages, transfers=moves, outputs=outputs
+        instances=[sorted(x) for x in instances],
+        input_stages=input_stages,
+        transfers=moves,
+        outputs=outputs,
     )

@@ -82,6 +82,8 @@ def _mesh_devices(mesh: Mesh) -> frozenset[int]:
 
 
 def _concrete(mesh: Mesh, ctx: Ctx) -> Mesh:
+    if mesh.empty:
+        return mesh
     if mesh is ctx.target or mesh == ctx.target:
         return mesh
     if _is_global(mesh, ctx):
@@ -116,10 +118,11 @@ def rewrite_value(v: Any, ctx: Ctx) -> Any:
         return jcore.ClosedJaxpr(rewrite_jaxpr(v.jaxpr, ctx), v.consts)
     if isinstance(v, jcore.Jaxpr):
         return rewrite_jaxpr(v, ctx)
-    if isinstance(v, tuple):
-        return tuple(rewrite_value(x, ctx) for x in v)
-    if isinstance(v, list):
-        return [rewrite_value(x, ctx) for x in v]
+    if type(v) is tuple or type(v) is list:  # not NamedTuples (e.g. PRNG impls)
+        new = [rewrite_value(x, ctx) for x in v]
+        if all(a is b for a, b in zip(new, v)):
+            return v
+        return type(v)(new)
     return v
 
 

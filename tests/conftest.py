@@ -1,0 +1,59 @@
+"""Tests run on 8 virtual CPU devices."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import multimesh as mm  # noqa: E402
+
+
+def to_np(tree):
+    return jax.tree.map(lambda a: np.asarray(a), tree)
+
+
+def assert_close(got, want, rtol=1e-5, atol=1e-6):
+    g, w = to_np(got), to_np(want)
+    assert jax.tree.structure(g) == jax.tree.structure(w)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+        assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+def reference(fn, mmesh, *args, **kwargs):
+    """The same function under plain jax.jit on the global mesh (tasks transparent)."""
+    with mmesh:
+        return jax.jit(fn)(*args, **kwargs)
+
+
+def stage_of(x, mmesh):
+    """Which submesh an array lives on (or None)."""
+    ids = {d.id for d in x.sharding.device_set}
+    for i in range(mmesh.num_stages):
+        if ids == {d.id for d in mmesh.submesh(i).devices.flat}:
+            return i
+    return None
+
+
+@pytest.fixture
+def mesh222():
+    return mm.make_mesh((2, 2, 2), ("stage", "data", "model"))
+
+
+@pytest.fixture
+def mesh8():
+    return mm.make_mesh((8,), ("stage",))
+
+
+@pytest.fixture
+def mesh4x2():
+    return mm.make_mesh((4, 2), ("stage", "data"))
