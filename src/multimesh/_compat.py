@@ -124,4 +124,4 @@ def make_jaxpr_obj(invars: list[Any], outvars: list[Any], eqns: list[Any]) -> An
 
 def single_device_arrays(x: jax.Array) -> list[jax.Array]:
     """The per-device pieces of an array, in its sharding's device order."""
-    return [x.addressable_data(i) for i in range(len(x.addressable_shards))]
+    return [s.data for s in x.addressable_shards]

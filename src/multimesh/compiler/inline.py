@@ -73,6 +73,19 @@ def _placement_key(ref: TaskRef) -> Any:
     return ("s", ref.stage) if ref.mesh is None else ("m", ref.mesh)
 
 
+def _unspecified(s: Any) -> bool:
+    return type(s).__name__ == "UnspecifiedValue"
+
+
+def _inlinable_glue(e: Any, ns: Any) -> bool:
+    """An untagged nested jit without shardings (e.g. optax's jitted tree helpers) is
+    inlined, so that its work on each stage's data can run on that stage."""
+    if any(decode_marker(s) for s in _compat.scope_names(ns)):
+        return False
+    shs = tuple(e.params.get("in_shardings", ())) + tuple(e.params.get("out_shardings", ()))
+    return all(_unspecified(s) for s in shs)
+
+
 def flatten(closed: Any) -> FlatProgram:
     """Inline calls containing tasks; check loops/conditionals hold at most one submesh."""
     memo: dict[int, set[TaskRef]] = {}
@@ -96,7 +109,9 @@ def flatten(closed: Any) -> FlatProgram:
             if body_param is not None and body_param in e.params:
                 body = e.params[body_param]
                 body_jaxpr = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
-                if inner_tasks(body_jaxpr, memo):
+                if inner_tasks(body_jaxpr, memo) or (
+                    prim in ("jit", "pjit") and _inlinable_glue(e, ns)
+                ):
                     _inline(e, body, ns)
                     continue
             else:

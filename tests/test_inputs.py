@@ -1,0 +1,117 @@
+"""Argument handling: statics, donation, pytrees, scalars, dtypes, keys, odd shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from conftest import assert_close, reference, stage_of
+
+import multimesh as mm
+
+
+def two_stage(x, y):
+    with mm.task("a", stage=0):
+        u = x * 2
+    with mm.task("b", stage=1):
+        return u + y
+
+
+def test_static_argnums_and_argnames(mesh4x2):
+    def f(x, n, *, mode):
+        with mm.task("a", stage=0):
+            y = x * n
+        with mm.task("b", stage=1):
+            return y + 1 if mode == "add" else y - 1
+
+    g = mm.jit(f, mesh=mesh4x2, static_argnums=1, static_argnames="mode")
+    x = jnp.arange(4.0)
+    np.testing.assert_allclose(g(x, 3, mode="add"), np.arange(4.0) * 3 + 1)
+    np.testing.assert_allclose(g(x, 2, mode="sub"), np.arange(4.0) * 2 - 1)
+
+
+def test_pytrees_scalars_and_dtypes(mesh4x2):
+    def f(tree, s, i):
+        with mm.task("a", stage=0):
+            a = tree["a"] * s + i
+            b = tree["b"][0].astype(jnp.float32) @ jnp.ones((3,), jnp.float32)
+        with mm.task("b", stage=1):
+            c = (a.astype(jnp.bfloat16) * 2).astype(jnp.bfloat16)
+            d = tree["b"][1] + i
+        return {"c": c, "d": d, "b": b, "n": jnp.int32(7)}
+
+    tree = {"a": jnp.arange(3.0), "b": (jnp.ones((2, 3), jnp.bfloat16), jnp.arange(3, dtype=jnp.int32))}
+    got = mm.jit(f, mesh=mesh4x2)(tree, 2.0, 3)
+    assert_close(got, reference(f, mesh4x2, tree, 2.0, 3))
+    assert got["c"].dtype == jnp.bfloat16 and got["d"].dtype == jnp.int32
+    assert stage_of(got["d"], mesh4x2) == 1
+
+
+def test_numpy_inputs_zero_size_and_0d(mesh4x2):
+    def f(x, e, z):
+        with mm.task("a", stage=0):
+            a = x.sum() + z
+            e2 = e * 2
+        with mm.task("b", stage=1):
+            return a * 3, e2 + 1, z
+
+    args = (np.arange(6.0, dtype=np.float32), jnp.zeros((0, 3)), jnp.float32(2.0))
+    got = mm.jit(f, mesh=mesh4x2)(*args)
+    assert_close(got, reference(f, mesh4x2, *args))
+    assert got[1].shape == (0, 3)
+
+
+def test_prng_keys_in_and_out(mesh4x2):
+    def f(key):
+        with mm.task("a", stage=0):
+            k1, k2 = jax.random.split(key)
+            a = jax.random.normal(k1, (3,))
+        with mm.task("b", stage=1):
+            b = jax.random.uniform(k2, (3,)) + a
+        return b, k2
+
+    for key in (jax.random.key(0), jax.random.PRNGKey(1)):
+        got = mm.jit(f, mesh=mesh4x2)(key)
+        want = reference(f, mesh4x2, key)
+        assert_close(got[0], want[0])
+        assert np.array_equal(jax.random.key_data(got[1]) if got[1].dtype != jnp.uint32 else got[1],
+                              jax.random.key_data(want[1]) if want[1].dtype != jnp.uint32 else want[1])
+
+
+def test_donate_argnums(mesh4x2):
+    def step(w, x):
+        with mm.task("a", stage=0):
+            return w - 0.1 * x, (w * x).sum()
+
+    f = mm.jit(step, mesh=mesh4x2, donate_argnums=0)
+    w = jnp.ones((4, 4))
+    w1, _ = f(w, jnp.ones((4, 4)))
+    w2, s = f(w1, jnp.ones((4, 4)))  # w1 is committed on stage 0: donated into the step
+    np.testing.assert_allclose(np.asarray(w2), 0.8)
+    assert w1.is_deleted()
+    np.testing.assert_allclose(float(s), 14.4, rtol=1e-6)
+
+
+def test_passthrough_and_literal_outputs(mesh4x2):
+    def f(x, y):
+        with mm.task("a", stage=1):
+            z = x + 1
+        return x, z, 1.5, y
+
+    x = jnp.ones(3)
+    y = jax.device_put(jnp.ones(2), mesh4x2.submesh(3).devices.flat[0])
+    got = mm.jit(f, mesh=mesh4x2)(x, y)
+    assert_close(got, reference(f, mesh4x2, x, np.asarray(y)))
+    assert got[3] is y or np.array_equal(np.asarray(got[3]), np.asarray(y))
+
+
+def test_kwargs_dynamic(mesh4x2):
+    got = mm.jit(two_stage, mesh=mesh4x2)(x=jnp.ones(2), y=jnp.ones(2))
+    np.testing.assert_allclose(np.asarray(got), 3.0)
+
+
+def test_in_shardings(mesh4x2):
+    f = mm.jit(two_stage, mesh=mesh4x2, in_shardings=(jax.P("data"), None))
+    x = jnp.arange(8.0)
+    plan = f.lower(x, x).plan
+    got = f(x, x)
+    np.testing.assert_allclose(np.asarray(got), np.arange(8.0) * 3)
+    assert any(p.mode == "put" and p.arg == 0 and p.stage == 0 for p in plan.inputs)
