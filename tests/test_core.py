@@ -200,7 +200,14 @@ def test_transformer_block_per_stage(mesh222):
 
     def init(k):
         ks = jax.random.split(k, 6)
-        shapes = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w1": (d, 4 * d), "w2": (4 * d, d)}
+        shapes = {
+            "wq": (d, d),
+            "wk": (d, d),
+            "wv": (d, d),
+            "wo": (d, d),
+            "w1": (d, 4 * d),
+            "w2": (4 * d, d),
+        }
         return {n: jax.random.normal(kk, s) * 0.1 for kk, (n, s) in zip(ks, shapes.items())}
 
     ps = [init(k) for k in jax.random.split(jax.random.key(0), 2)]

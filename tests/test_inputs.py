@@ -38,7 +38,10 @@ def test_pytrees_scalars_and_dtypes(mesh4x2):
             d = tree["b"][1] + i
         return {"c": c, "d": d, "b": b, "n": jnp.int32(7)}
 
-    tree = {"a": jnp.arange(3.0), "b": (jnp.ones((2, 3), jnp.bfloat16), jnp.arange(3, dtype=jnp.int32))}
+    tree = {
+        "a": jnp.arange(3.0),
+        "b": (jnp.ones((2, 3), jnp.bfloat16), jnp.arange(3, dtype=jnp.int32)),
+    }
     got = mm.jit(f, mesh=mesh4x2)(tree, 2.0, 3)
     assert_close(got, reference(f, mesh4x2, tree, 2.0, 3))
     assert got["c"].dtype == jnp.bfloat16 and got["d"].dtype == jnp.int32
@@ -72,8 +75,10 @@ def test_prng_keys_in_and_out(mesh4x2):
         got = mm.jit(f, mesh=mesh4x2)(key)
         want = reference(f, mesh4x2, key)
         assert_close(got[0], want[0])
-        assert np.array_equal(jax.random.key_data(got[1]) if got[1].dtype != jnp.uint32 else got[1],
-                              jax.random.key_data(want[1]) if want[1].dtype != jnp.uint32 else want[1])
+        assert np.array_equal(
+            jax.random.key_data(got[1]) if got[1].dtype != jnp.uint32 else got[1],
+            jax.random.key_data(want[1]) if want[1].dtype != jnp.uint32 else want[1],
+        )
 
 
 def test_donate_argnums(mesh4x2):

@@ -155,6 +155,7 @@ def test_explicit_meshes_of_different_shapes():
     f = jax.value_and_grad(loss)
     got = mm.jit(f)(w, x)
     want = jax.jit(lambda w, x: f(w, x))
+
     # reference: tasks are transparent; constraints need a mesh context per task, so
     # compare against the same function with tasks' constraints removed
     def ref_loss(w, x):

@@ -90,12 +90,16 @@ class Lowered:
         labels: Labels = label.label(prog, mmesh)
         stage_axis = mmesh.stage_axis if mmesh is not None else None
         self.input_infos: list[InputInfo] = [analyze(x, labels.targets, stage_axis) for x in flat]
-        default = min(s for s in labels.stages if s is not None) if any(
-            s is not None for s in labels.stages) else 0
+        default = (
+            min(s for s in labels.stages if s is not None)
+            if any(s is not None for s in labels.stages)
+            else 0
+        )
         placement = place.place(prog, labels, [i.loc for i in self.input_infos], default)
         frags = frag_pass.fragment(prog, placement)
         self.plan: plan_pass.Plan = plan_pass.build_plan(
-            prog, labels, placement, frags, [i.mode for i in self.input_infos])
+            prog, labels, placement, frags, [i.mode for i in self.input_infos]
+        )
         self._prog, self._labels = prog, labels
 
     def as_text(self) -> str:
@@ -109,7 +113,13 @@ class Lowered:
         put_sh = fn._put_shardings(self._labels, self._in_tree, len(self._flat))
         donated = fn._donated_leaves(self._call, self._in_tree)
         exe = Executable(
-            self._prog, self._labels, self.plan, self.input_infos, self._flat, put_sh, donated,
+            self._prog,
+            self._labels,
+            self.plan,
+            self.input_infos,
+            self._flat,
+            put_sh,
+            donated,
             mmesh.stage_axis if mmesh is not None else None,
             mmesh.mesh if mmesh is not None else None,
         )
@@ -119,8 +129,9 @@ class Lowered:
 class Compiled:
     """A compiled MPMD program; call it like the original function."""
 
-    def __init__(self, exe: Executable, out_tree: Any, plan: plan_pass.Plan,
-                 fn: MpmdFunction) -> None:
+    def __init__(
+        self, exe: Executable, out_tree: Any, plan: plan_pass.Plan, fn: MpmdFunction
+    ) -> None:
         self._exe = exe
         self._out_tree = out_tree
         self.plan = plan
@@ -157,16 +168,19 @@ class MpmdFunction:
             if isinstance(mesh, Mesh):
                 raise TypeError(
                     "mm.jit(mesh=...) takes a MultiMesh; wrap the mesh: "
-                    "mm.MultiMesh(mesh, stage_axis='stage'), or build it with mm.make_mesh.")
+                    "mm.MultiMesh(mesh, stage_axis='stage'), or build it with mm.make_mesh."
+                )
             raise TypeError(f"mm.jit(mesh=...) takes a MultiMesh, got {type(mesh).__name__}.")
         if task_rules:
             raise NotImplementedError(
                 "task_rules (implicit tasks) are not implemented yet; use mm.task(...) in the "
-                "model code for now.")
+                "model code for now."
+            )
         if out_shardings is not None:
             raise NotImplementedError(
                 "out_shardings is not supported yet: outputs stay on the submesh that "
-                "produced them; use jax.device_put on the results to move them.")
+                "produced them; use jax.device_put on the results to move them."
+            )
         functools.update_wrapper(self, fun)
         self.fun = fun
         self._mesh = mesh
@@ -181,9 +195,11 @@ class MpmdFunction:
             self._sig = None
         params = list(self._sig.parameters) if self._sig is not None else []
         self._static_names = set(self._static_argnames) | {
-            params[i] for i in self._static_argnums if i < len(params)}
+            params[i] for i in self._static_argnums if i < len(params)
+        }
         self._static_pos = set(self._static_argnums) | {
-            i for i, p in enumerate(params) if p in self._static_argnames}
+            i for i, p in enumerate(params) if p in self._static_argnames
+        }
 
     @property
     def multimesh(self) -> MultiMesh | None:
@@ -201,7 +217,8 @@ class MpmdFunction:
             hash((statics, skw))
         except TypeError as e:
             raise TypeError(
-                f"static arguments of mm.jit must be hashable; got {statics + skw}") from e
+                f"static arguments of mm.jit must be hashable; got {statics + skw}"
+            ) from e
         nargs = len(args)
 
         def rebuild(dargs: tuple[Any, ...], dkw: dict[str, Any]):
@@ -240,8 +257,11 @@ class MpmdFunction:
                 leaves.extend([s] * nleaves)
             else:
                 sl = jax.tree_util.tree_leaves(
-                    s, is_leaf=lambda x: x is None or isinstance(
-                        x, (NamedSharding, jax.sharding.PartitionSpec)))
+                    s,
+                    is_leaf=lambda x: (
+                        x is None or isinstance(x, (NamedSharding, jax.sharding.PartitionSpec))
+                    ),
+                )
                 leaves.extend(sl if len(sl) == nleaves else [None] * nleaves)
         stage_axis = self.multimesh.stage_axis if self.multimesh is not None else None
 
@@ -255,7 +275,9 @@ class MpmdFunction:
                     return NamedSharding(mesh, s)
                 if stage_axis is not None and stage_axis in s.mesh.axis_names:
                     return NamedSharding(mesh, s.spec)
-                if frozenset(d.id for d in s.device_set) == frozenset(labels.targets[stage].device_ids):
+                if frozenset(d.id for d in s.device_set) == frozenset(
+                    labels.targets[stage].device_ids
+                ):
                     return s
                 return NamedSharding(mesh, s.spec)
 
@@ -274,8 +296,12 @@ class MpmdFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call = self._normalize(args, kwargs)
         flat, in_tree = jax.tree_util.tree_flatten((call.dyn_args, call.dyn_kwargs))
-        key = (in_tree, call.static, id(self.multimesh) if self._mesh is None else 0,
-               tuple(_leaf_key(x) for x in flat))
+        key = (
+            in_tree,
+            call.static,
+            id(self.multimesh) if self._mesh is None else 0,
+            tuple(_leaf_key(x) for x in flat),
+        )
         compiled = self._cache.get(key)
         if compiled is None:
             compiled = Lowered(self, call, flat, in_tree).compile()
@@ -301,5 +327,13 @@ def jit(
         static_argnames = (static_argnames,)
     if isinstance(donate_argnums, int):
         donate_argnums = (donate_argnums,)
-    return MpmdFunction(fun, mesh, task_rules, static_argnums, static_argnames,
-                        donate_argnums, in_shardings, out_shardings)
+    return MpmdFunction(
+        fun,
+        mesh,
+        task_rules,
+        static_argnums,
+        static_argnames,
+        donate_argnums,
+        in_shardings,
+        out_shardings,
+    )

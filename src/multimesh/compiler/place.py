@@ -40,8 +40,8 @@ def place(
 ) -> Placement:
     """Assign every equation instance a stage; list the transfers between stages."""
     loc: dict[Any, Loc] = {}
-    for v, l in zip(prog.invars, input_locs):
-        loc[v] = l
+    for v, where in zip(prog.invars, input_locs):
+        loc[v] = where
     for v in prog.constvars:
         loc[v] = ANY
     n = len(prog.eqns)
@@ -68,16 +68,17 @@ def place(
                 else:
                     s = min(meet)
             else:
-                cands = sorted(set().union(*[l for l in locs if l is not ANY]))
+                cands = sorted(set().union(*[where for where in locs if where is not ANY]))
 
-                def cost(c: int) -> int:
-                    return sum(
+                costs = {
+                    c: sum(
                         aval_nbytes(a.aval)
-                        for a, l in zip(ins, locs)
-                        if l is not ANY and c not in l
+                        for a, where in zip(ins, locs)
+                        if where is not ANY and c not in where
                     )
-
-                s = min(cands, key=lambda c: (cost(c), c))
+                    for c in cands
+                }
+                s = min(cands, key=lambda c: (costs[c], c))
         if floating[i]:
             out_loc = _meet([loc[a] for a in ins])
         else:
@@ -103,12 +104,12 @@ def place(
             if isinstance(v, Literal):
                 continue
             used.add(v)
-            l = loc[v]
-            if not (l is ANY or s in l):
+            where = loc[v]
+            if not (where is ANY or s in where):
                 if (v, s) in transfers:
                     continue
-                have = needed.get(v, set()) & l
-                src = min(have) if have else min(l)
+                have = needed.get(v, set()) & where
+                src = min(have) if have else min(where)
                 transfers[(v, s)] = src
                 s = src
             have = needed.setdefault(v, set())
@@ -142,7 +143,7 @@ def place(
     for v in outs:
         if needed.get(v):
             continue
-        l = loc[v]
+        where = loc[v]
         j = producer.get(v)
         score: dict[int, int] = {}
         if j is not None:
@@ -150,14 +151,14 @@ def place(
                 if not isinstance(a, Literal):
                     for s in needed.get(a, ()):
                         score[s] = score.get(s, 0) + aval_nbytes(a.aval)
-        if l is not ANY:
-            score = {s: b for s, b in score.items() if s in l}
+        if where is not ANY:
+            score = {s: b for s, b in score.items() if s in where}
         if score:
             best = min(score, key=lambda s: (-score[s], s))
-        elif l is ANY or default_stage in l:
+        elif where is ANY or default_stage in where:
             best = default_stage
         else:
-            best = min(l)
+            best = min(where)
         demand(v, best)
     outputs = [[] if isinstance(v, Literal) else sorted(needed[v]) for v in prog.outvars]
 

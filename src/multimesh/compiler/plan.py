@@ -94,7 +94,9 @@ class Plan:
         for t in self.transfers:
             tr_by_after.setdefault(t.after, []).append(t)
         for t in tr_by_after.get("inputs", []):
-            lines.append(f"  transfer stage{t.src_stage}->stage{t.dst_stage} {t.dtype}{list(t.shape)} {t.nbytes}B (input)")
+            lines.append(
+                f"  transfer stage{t.src_stage}->stage{t.dst_stage} {t.dtype}{list(t.shape)} {t.nbytes}B (input)"
+            )
         for f in self.fragments:
             tasks = ",".join(f.tasks) if f.tasks else "-"
             lines.append(

@@ -55,16 +55,31 @@ class Executable:
         template: list[Any] = [None] * plan.num_slots
         steps: list[tuple[Any, ...]] = []
         as_is_arg: dict[int, int] = {}
-        multi_out: set[int] = {i for kind, *rest in plan.outputs if kind == "slots"
-                               for i in (rest[0] if len(rest[0]) > 1 else [])}
+        multi_out: set[int] = {
+            i
+            for kind, *rest in plan.outputs
+            if kind == "slots"
+            for i in (rest[0] if len(rest[0]) > 1 else [])
+        }
         slot_var = {sid: var for (var, _s), sid in plan.slots.items()}
         self.compiled: list[Any] = []
 
-        for n, st in enumerate(plan.steps):
+        for st in plan.steps:
             if st.kind == "inputs":
-                steps.append(self._input_step(
-                    st, infos, sample_args, put_shardings, targets, slot_sh, template,
-                    as_is_arg, prog, slot_var))
+                steps.append(
+                    self._input_step(
+                        st,
+                        infos,
+                        sample_args,
+                        put_shardings,
+                        targets,
+                        slot_sh,
+                        template,
+                        as_is_arg,
+                        prog,
+                        slot_var,
+                    )
+                )
             elif st.kind == "run":
                 f = plan.frags[st.fragment]
                 info = plan.fragments[st.fragment]
@@ -75,29 +90,46 @@ class Executable:
                 for i in f.eqns:
                     ref = labels.tasks[i]
                     tmesh = labels.task_meshes[i] if ref is not None else mesh
-                    where = (f"task {ref.name!r}" if ref is not None
-                             else f"untagged code placed on stage {f.stage}")
+                    where = (
+                        f"task {ref.name!r}"
+                        if ref is not None
+                        else f"untagged code placed on stage {f.stage}"
+                    )
                     ctx = shard_pass.Ctx(tmesh, global_mesh, stage_axis, where)
                     eqns.append(shard_pass.rewrite_eqn(prog.eqns[i], ctx))
                 jaxpr = _compat.make_jaxpr_obj(
-                    [v for v, _ in f.inputs], [v for v, _ in f.outputs], eqns)
+                    [v for v, _ in f.inputs], [v for v, _ in f.outputs], eqns
+                )
                 fn = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(jaxpr, []))
                 in_sh = tuple(slot_sh[i] for i in in_ids)
-                out_sh = tuple(NamedSharding(mesh, PartitionSpec()) if i in multi_out else None
-                               for i in out_ids)
+                out_sh = tuple(
+                    NamedSharding(mesh, PartitionSpec()) if i in multi_out else None
+                    for i in out_ids
+                )
                 donate = tuple(
-                    k for k, i in enumerate(in_ids)
-                    if i in as_is_arg and as_is_arg[i] in donated and i in st.free)
+                    k
+                    for k, i in enumerate(in_ids)
+                    if i in as_is_arg and as_is_arg[i] in donated and i in st.free
+                )
                 body = _named(fn, "mm_" + _sanitize(info.name))
                 avals = [
-                    jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sh,
-                                         weak_type=getattr(v.aval, "weak_type", False))
+                    jax.ShapeDtypeStruct(
+                        v.aval.shape,
+                        v.aval.dtype,
+                        sharding=sh,
+                        weak_type=getattr(v.aval, "weak_type", False),
+                    )
                     for (v, _), sh in zip(f.inputs, in_sh)
                 ]
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
-                    compiled = jax.jit(body, in_shardings=in_sh, out_shardings=out_sh,
-                                       donate_argnums=donate).lower(*avals).compile()
+                    compiled = (
+                        jax.jit(
+                            body, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate
+                        )
+                        .lower(*avals)
+                        .compile()
+                    )
                 self.compiled.append(compiled)
                 for i, sh in zip(out_ids, compiled.output_shardings):
                     slot_sh[i] = sh
@@ -113,8 +145,19 @@ class Executable:
 
     # -- steps ------------------------------------------------------------------------
 
-    def _input_step(self, st, infos, sample_args, put_shardings, targets, slot_sh, template,
-                    as_is_arg, prog, slot_var):
+    def _input_step(
+        self,
+        st,
+        infos,
+        sample_args,
+        put_shardings,
+        targets,
+        slot_sh,
+        template,
+        as_is_arg,
+        prog,
+        slot_var,
+    ):
         as_is: list[tuple[int, int]] = []
         extracts: list[tuple[int, int, tuple[int, ...], NamedSharding, tuple[int, ...]]] = []
         puts: list[tuple[int, int]] = []
@@ -140,8 +183,11 @@ class Executable:
                 slot_sh[sid] = sh
             else:
                 chooser = put_shardings[ip.arg]
-                sh = chooser(ip.stage) if chooser is not None else NamedSharding(
-                    mesh, PartitionSpec())
+                sh = (
+                    chooser(ip.stage)
+                    if chooser is not None
+                    else NamedSharding(mesh, PartitionSpec())
+                )
                 puts.append((sid, ip.arg))
                 put_sh.append(sh)
                 slot_sh[sid] = sh
@@ -155,7 +201,8 @@ class Executable:
             for sid, a, pos, sh, shape in extracts:
                 pieces = _compat.single_device_arrays(args[a])
                 env[sid] = jax.make_array_from_single_device_arrays(
-                    shape, sh, [pieces[p] for p in pos])
+                    shape, sh, [pieces[p] for p in pos]
+                )
             if puts_ids:
                 vals = [_as_array(args[a], av) for a, av in zip(puts_args, put_avals)]
                 for sid, v in zip(puts_ids, jax.device_put(vals, put_sh)):
@@ -191,8 +238,9 @@ class Executable:
         kind = out[0]
         if kind == "literal":
             val, aval = out[1], out[2]
-            arr = jax.device_put(np.asarray(val, dtype=aval.dtype),
-                                 NamedSharding(targets[0].mesh, PartitionSpec()))
+            arr = jax.device_put(
+                np.asarray(val, dtype=aval.dtype), NamedSharding(targets[0].mesh, PartitionSpec())
+            )
             return lambda env: arr
         ids = out[1]
         if len(ids) == 1:
@@ -212,7 +260,8 @@ class Executable:
                 for p in _compat.single_device_arrays(env[i]):
                     pieces[int(next(iter(p.devices())).id)] = p
             return jax.make_array_from_single_device_arrays(
-                shape, union, [pieces[d] for d in order])
+                shape, union, [pieces[d] for d in order]
+            )
 
         return assemble
 

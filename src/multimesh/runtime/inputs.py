@@ -25,8 +25,10 @@ class InputInfo:
 
 
 def _committed(x: Any) -> bool:
-    return isinstance(x, jax.Array) and getattr(x, "committed", False) and not isinstance(
-        x, jax.core.Tracer
+    return (
+        isinstance(x, jax.Array)
+        and getattr(x, "committed", False)
+        and not isinstance(x, jax.core.Tracer)
     )
 
 

@@ -19,7 +19,9 @@ def _spec_fits(spec: PartitionSpec, src_mesh: Any, dst: Mesh) -> bool:
             continue
         names = (entry,) if isinstance(entry, str) else tuple(entry)
         for n in names:
-            if n not in dst.shape or (src_mesh is not None and dst.shape[n] != src_mesh.shape.get(n)):
+            if n not in dst.shape or (
+                src_mesh is not None and dst.shape[n] != src_mesh.shape.get(n)
+            ):
                 return False
     return True
 
@@ -31,7 +33,9 @@ def dst_sharding(src: jax.sharding.Sharding, dst: Mesh, shape: tuple[int, ...]) 
     return NamedSharding(dst, PartitionSpec())
 
 
-def same_layout(src: jax.sharding.Sharding, dst: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
+def same_layout(
+    src: jax.sharding.Sharding, dst: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> bool:
     """Whether shard i of ``src`` maps to shard i of ``dst`` (so a shard-wise copy works)."""
     if len(src.device_set) != len(dst.device_set):
         return False
@@ -55,6 +59,9 @@ def union_sharding(shardings: list[NamedSharding], stage_axis: str) -> NamedShar
     if not isinstance(first, NamedSharding) or stage_axis in first.mesh.axis_names:
         return None
     devs = np.stack([s.mesh.devices for s in shardings])
-    mesh = Mesh(devs, (stage_axis, *first.mesh.axis_names), axis_types=(
-        jax.sharding.AxisType.Auto,) * devs.ndim)
+    mesh = Mesh(
+        devs,
+        (stage_axis, *first.mesh.axis_names),
+        axis_types=(jax.sharding.AxisType.Auto,) * devs.ndim,
+    )
     return NamedSharding(mesh, first.spec)

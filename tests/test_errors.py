@@ -1,0 +1,181 @@
+"""Bad input gets a clear error naming the task and the fix."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import multimesh as mm
+
+
+def run(f, mmesh, *args):
+    return mm.jit(f, mesh=mmesh)(*args)
+
+
+def test_stage_out_of_range(mesh4x2):
+    def f(x):
+        with mm.task("late", stage=4):
+            return x + 1
+
+    with pytest.raises(ValueError, match=r"task 'late'.*stage=4.*out of range.*4 stages"):
+        run(f, mesh4x2, jnp.ones(2))
+    with pytest.raises(ValueError, match="out of range"):
+        run(lambda x: mm.task(lambda y: y, name="neg", stage=-1)(x), mesh4x2, jnp.ones(2))
+
+
+def test_stage_without_multimesh():
+    def f(x):
+        with mm.task("t", stage=0):
+            return x + 1
+
+    with pytest.raises(ValueError, match=r"task 't'.*needs an active MultiMesh"):
+        mm.jit(f)(jnp.ones(2))
+    with pytest.raises(ValueError, match="needs an active MultiMesh"):
+        f(jnp.ones(2))
+
+
+def test_both_or_neither(mesh4x2):
+    with pytest.raises(ValueError, match="exactly one of stage= or mesh="):
+        mm.task("t")
+    with pytest.raises(ValueError, match="exactly one of stage= or mesh="):
+        mm.task("t", stage=0, mesh=mesh4x2.submesh(0))
+    with pytest.raises(TypeError, match="stage must be an int"):
+        with mesh4x2, mm.task("t", stage="0"):
+            pass
+
+
+def test_nested_tasks(mesh4x2):
+    def f(x):
+        with mm.task("outer", stage=0):
+            with mm.task("inner", stage=1):
+                return x + 1
+
+    with pytest.raises(ValueError, match=r"task 'inner' is nested inside task 'outer'"):
+        run(f, mesh4x2, jnp.ones(2))
+
+
+def test_nested_via_cached_inner_jit(mesh4x2):
+    @jax.jit
+    def inner(x):
+        with mm.task("inner", stage=1):
+            return x * 2
+
+    with mesh4x2:
+        inner(jnp.ones(2))  # traced (and cached) outside any task
+
+    def f(x):
+        with mm.task("outer", stage=0):
+            return inner(x)
+
+    with pytest.raises(ValueError, match="nested"):
+        run(f, mesh4x2, jnp.ones(2))
+
+
+def test_overlapping_meshes():
+    devs = jax.devices()
+    a = Mesh(np.array(devs[:4]), ("d",), axis_types=(AxisType.Auto,))
+    b = Mesh(np.array(devs[2:6]), ("d",), axis_types=(AxisType.Auto,))
+
+    def f(x):
+        with mm.task("a", mesh=a):
+            y = x + 1
+        with mm.task("b", mesh=b):
+            return y * 2
+
+    with pytest.raises(ValueError, match=r"task 'b'.*overlaps the devices of 'a'"):
+        mm.jit(f)(jnp.ones(4))
+
+
+def test_mesh_overlapping_a_stage(mesh4x2):
+    odd = Mesh(np.array(jax.devices()[1:3]), ("d",), axis_types=(AxisType.Auto,))
+
+    def f(x):
+        with mm.task("odd", mesh=odd):
+            return x + 1
+
+    with pytest.raises(ValueError, match=r"task 'odd'.*overlaps"):
+        run(f, mesh4x2, jnp.ones(4))
+
+
+def test_foreign_devices():
+    small = mm.make_mesh((2, 2), ("stage", "data"), devices=jax.devices()[:4])
+    other = Mesh(np.array(jax.devices()[4:6]), ("d",), axis_types=(AxisType.Auto,))
+
+    def f(x):
+        with mm.task("far", mesh=other):
+            return x + 1
+
+    with pytest.raises(ValueError, match=r"task 'far'.*not in the MultiMesh"):
+        run(f, small, jnp.ones(4))
+
+
+def test_spec_naming_stage_axis(mesh4x2):
+    def f(x):
+        with mm.task("t", stage=0):
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh4x2.mesh, P("stage")))
+
+    with pytest.raises(ValueError, match=r"task 't'.*names the stage axis 'stage'"):
+        run(f, mesh4x2, jnp.ones(8))
+
+
+def test_sharding_on_other_submesh(mesh4x2):
+    def f(x):
+        with mm.task("t", stage=0):
+            return jax.lax.with_sharding_constraint(x, NamedSharding(mesh4x2.submesh(1), P("data")))
+
+    with pytest.raises(ValueError, match=r"task 't'.*runs on the submesh"):
+        run(f, mesh4x2, jnp.ones(8))
+
+
+def test_explicit_axes():
+    devs = np.array(jax.devices()).reshape(2, 4)
+    mesh = Mesh(devs, ("stage", "data"), axis_types=(AxisType.Explicit,) * 2)
+    with pytest.raises(ValueError, match="Explicit"):
+        mm.MultiMesh(mesh)
+    with pytest.raises(ValueError, match="Explicit"):
+        with mm.task("t", mesh=Mesh(devs[0], ("d",), axis_types=(AxisType.Explicit,))):
+            pass
+
+
+def test_bad_multimesh_args():
+    with pytest.raises(ValueError, match="stage_axis 'pipe' is not an axis"):
+        mm.make_mesh((2, 4), ("stage", "data"), stage_axis="pipe")
+    with pytest.raises(ValueError, match="needs 16 devices"):
+        mm.make_mesh((4, 4), ("stage", "data"))
+    with pytest.raises(TypeError, match="takes a MultiMesh"):
+        mm.jit(lambda x: x, mesh=mm.make_mesh((2, 4), ("stage", "data")).mesh)
+
+
+def test_task_in_scan_across_stages(mesh4x2):
+    def f(x):
+        def body(c, _):
+            with mm.task("a", stage=0):
+                c = c + 1
+            with mm.task("b", stage=1):
+                c = c * 2
+            return c, None
+
+        return jax.lax.scan(body, x, None, length=2)[0]
+
+    with pytest.raises(ValueError, match=r"\['a', 'b'\].*`scan`.*cannot split a loop"):
+        run(f, mesh4x2, jnp.ones(2))
+
+
+def test_task_in_scan_with_outside_work(mesh4x2):
+    def f(x):
+        def body(c, _):
+            with mm.task("a", stage=1):
+                c = c + 1
+            return c * 2, None  # untagged work inside the same loop body
+
+        with mm.task("pre", stage=0):
+            x = x * 3
+        return jax.lax.scan(body, x, None, length=2)[0]
+
+    # one task in the loop body: the loop runs on that task's submesh
+    got = run(f, mesh4x2, jnp.ones(2))
+    with mesh4x2:
+        want = jax.jit(f)(jnp.ones(2))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want))
