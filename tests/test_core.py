@@ -214,3 +214,31 @@ def test_transformer_block_per_stage(mesh222):
     x = jax.random.normal(jax.random.key(1), (batch, seq, d))
     f = jax.value_and_grad(loss)
     assert_close(mm.jit(f, mesh=mesh222)(ps, x), reference(f, mesh222, ps, x), rtol=2e-5, atol=2e-6)
+
+
+def test_lower_compile_and_text(mesh4x2):
+    def first(x):
+        return jnp.sin(x)
+
+    with pytest.raises(ValueError, match="exactly one of stage= or mesh="):
+        mm.task(first)
+
+    second = mm.task(lambda x: x * 3, name="second", stage=2)
+
+    def f(x):
+        return second(mm.task(first, stage=1)(x))
+
+    x = jnp.arange(4.0)
+    lowered = mm.jit(f, mesh=mesh4x2).lower(x)
+    text = lowered.as_text()
+    assert "fragment 'first'" in text and "fragment 'second'" in text
+    assert "stage1->stage2" in text
+    plan = lowered.plan
+    assert [(fr.name, fr.stage, fr.devices) for fr in plan.fragments] == [
+        ("first", 1, (2, 3)),
+        ("second", 2, (4, 5)),
+    ]
+    assert [(t.src_stage, t.dst_stage, t.nbytes) for t in plan.transfers] == [(1, 2, 16)]
+    compiled = lowered.compile()
+    np.testing.assert_allclose(np.asarray(compiled(x)), np.sin(np.arange(4.0)) * 3, rtol=1e-6)
+    assert stage_of(compiled(x), mesh4x2) == 2

@@ -114,12 +114,20 @@ def same_layout_copy(
     )
 
 
-def make_jaxpr_obj(invars: list[Any], outvars: list[Any], eqns: list[Any]) -> Any:
+def make_jaxpr_obj(
+    invars: list[Any], outvars: list[Any], eqns: list[Any], name: str = "fragment"
+) -> Any:
     """A (const-free) ``Jaxpr`` from parts; effects are the union of the equations'."""
     effects: set[Any] = set()
     for e in eqns:
         effects |= set(e.effects)
-    return jcore.Jaxpr([], invars, outvars, eqns, frozenset(effects))
+    dbg = jcore.DebugInfo(
+        "mm.jit",
+        name,
+        tuple(f"in{i}" for i in range(len(invars))),
+        tuple(f"out{i}" for i in range(len(outvars))),
+    )
+    return jcore.Jaxpr([], invars, outvars, eqns, frozenset(effects), dbg)
 
 
 def single_device_arrays(x: jax.Array) -> list[jax.Array]:

@@ -220,6 +220,11 @@ def task(
     if callable(name_or_fn) and not isinstance(name_or_fn, str):
         fn = name_or_fn
         tname = name or getattr(fn, "__name__", None) or "task"
+        if (stage is None) == (mesh is None):
+            raise ValueError(
+                f"task {tname!r}: give exactly one of stage= or mesh=; "
+                f"got stage={stage!r}, mesh={mesh!r}."
+            )
         return _Task(tname, stage, mesh)(fn)
     if name_or_fn is not None and name is not None:
         raise TypeError("give the task name once: mm.task('name', ...) or mm.task(name='name').")

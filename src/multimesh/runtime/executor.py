@@ -98,7 +98,7 @@ class Executable:
                     ctx = shard_pass.Ctx(tmesh, global_mesh, stage_axis, where)
                     eqns.append(shard_pass.rewrite_eqn(prog.eqns[i], ctx))
                 jaxpr = _compat.make_jaxpr_obj(
-                    [v for v, _ in f.inputs], [v for v, _ in f.outputs], eqns
+                    [v for v, _ in f.inputs], [v for v, _ in f.outputs], eqns, info.name
                 )
                 fn = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(jaxpr, []))
                 in_sh = tuple(slot_sh[i] for i in in_ids)
