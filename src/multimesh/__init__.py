@@ -5,14 +5,26 @@
 >>> step = mm.jit(train_step, mesh=mmesh)   # tasks inside run on their submeshes
 """
 
+from multimesh import schedules as schedules
 from multimesh.api import Compiled as Compiled
 from multimesh.api import Lowered as Lowered
 from multimesh.api import MpmdFunction as MpmdFunction
 from multimesh.api import jit as jit
 from multimesh.mesh import MultiMesh as MultiMesh
 from multimesh.mesh import make_mesh as make_mesh
+from multimesh.microbatch import microbatch as microbatch
 from multimesh.tasks import task as task
 
 __version__ = "0.1.0"
 
-__all__ = ["Compiled", "Lowered", "MpmdFunction", "MultiMesh", "jit", "make_mesh", "task"]
+__all__ = [
+    "Compiled",
+    "Lowered",
+    "MpmdFunction",
+    "MultiMesh",
+    "jit",
+    "make_mesh",
+    "microbatch",
+    "schedules",
+    "task",
+]

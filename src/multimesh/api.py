@@ -81,7 +81,8 @@ class Lowered:
 
         tok = set_active(mmesh)
         try:
-            with _compat.no_mesh_context(), tracing(TraceState(mmesh)):
+            state = TraceState(mmesh)
+            with _compat.no_mesh_context(), tracing(state):
                 closed = jax.make_jaxpr(flat_fun)(*flat)
         finally:
             reset_active(tok)
@@ -96,7 +97,7 @@ class Lowered:
             else 0
         )
         placement = place.place(prog, labels, [i.loc for i in self.input_infos], default)
-        frags = frag_pass.fragment(prog, placement)
+        frags = frag_pass.fragment(prog, placement, labels, state.loops)
         self.plan: plan_pass.Plan = plan_pass.build_plan(
             prog, labels, placement, frags, [i.mode for i in self.input_infos]
         )

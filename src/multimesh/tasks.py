@@ -72,11 +72,23 @@ def decode_marker(scope: str) -> TaskRef | None:
 
 
 @dataclasses.dataclass
+class LoopInfo:
+    """A microbatch loop traced (unrolled) inside ``mm.jit``."""
+
+    schedule: Any
+    num_microbatches: int
+
+
+@dataclasses.dataclass
 class TraceState:
     """Set while ``mm.jit`` traces a program."""
 
     multimesh: MultiMesh | None
-    max_stage: int | None = None  # virtual stages allowed (interleaving); None = num_stages
+    loops: list[LoopInfo] = dataclasses.field(default_factory=list)
+
+    def add_loop(self, schedule: Any, num_microbatches: int) -> int:
+        self.loops.append(LoopInfo(schedule, num_microbatches))
+        return len(self.loops) - 1
 
 
 _TRACE: contextvars.ContextVar[TraceState | None] = contextvars.ContextVar(
@@ -89,6 +101,20 @@ _CURRENT: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 
 def trace_state() -> TraceState | None:
     return _TRACE.get()
+
+
+# Virtual stages (interleaving) allowed while a microbatch loop with such a schedule runs.
+_VIRTUAL: contextvars.ContextVar[Any] = contextvars.ContextVar("multimesh_virtual", default=None)
+
+
+@contextlib.contextmanager
+def stage_limit(schedule: Any):
+    """Inside an interleaved microbatch loop, tasks may use virtual stages >= num_stages."""
+    tok = _VIRTUAL.set(schedule)
+    try:
+        yield
+    finally:
+        _VIRTUAL.reset(tok)
 
 
 @contextlib.contextmanager
@@ -146,12 +172,19 @@ def resolve(name: str, stage: Any, mesh: Any) -> tuple[str, Mesh]:
             "mm.jit, or wrap the call in `with mmesh:`."
         )
     limit = mmesh.num_stages
-    if state is not None and state.max_stage is not None:
-        limit = state.max_stage
+    sched = _VIRTUAL.get()
+    if sched is not None:
+        limit = mmesh.num_stages * sched.chunks(mmesh.num_stages, 1 << 30)
     if not 0 <= stage < limit:
+        hint = (
+            f"valid: 0..{limit - 1} ({limit // mmesh.num_stages} virtual stages per submesh)"
+            if limit > mmesh.num_stages
+            else f"valid: 0..{mmesh.num_stages - 1}; more stages than submeshes need "
+            "an interleaved schedule"
+        )
         raise ValueError(
             f"task {name!r}: stage={stage} is out of range; the MultiMesh has "
-            f"{mmesh.num_stages} stages (valid: 0..{mmesh.num_stages - 1})."
+            f"{mmesh.num_stages} stages ({hint})."
         )
     return f"{name}{MARKER}s{stage}", mmesh.submesh(stage % mmesh.num_stages)
 

@@ -1,11 +1,19 @@
-"""Fragment: cut placed equation instances into acyclic per-submesh fragments.
+"""Fragment: cut placed equation instances into acyclic per-submesh fragments, in order.
 
-Each instance gets a level: the longest chain of cross-submesh transfers before it
-(ASAP), then moved as late as its consumers allow (ALAP) so that independent work
-joins the fragment that needs it. A fragment is all instances of one (stage, level).
-Every edge between fragments goes to an equal level on the same stage or a strictly
-higher level on another, so the fragment graph is acyclic; fragments run in
-(level, stage) order.
+1. Levels (ASAP): an instance's level is the longest chain before it of transfers between
+   submeshes and forward->backward switches. Instances are grouped by
+   (stage, microbatch, phase, level); every edge between groups goes to an equal-or-higher
+   level, so the group graph is acyclic.
+2. Merge: groups of the same stage and microbatch are merged when the later one consumes
+   the earlier one and no path leads from one to the other through another group.
+3. Zero-bubble split (schedules with ``splits_backward``): a backward group is split into
+   the part that computes what other stages need (B, input gradients) and the rest (W,
+   weight gradients and accumulation).
+4. Order: each submesh runs work outside microbatch loops in level order, and loop work
+   in the schedule's order; a consumer right after its producer on the same submesh is
+   merged into it (e.g. the last stage's F and B in 1F1B). The global dispatch order
+   interleaves submeshes round-robin, respecting data dependencies; a schedule that
+   contradicts them is a clear error, not a deadlock.
 """
 
 from __future__ import annotations
@@ -14,7 +22,8 @@ import dataclasses
 from typing import Any
 
 from multimesh import _compat
-from multimesh.compiler.ir import FlatProgram, Literal, Placement
+from multimesh.compiler.ir import FlatProgram, Labels, Literal, Placement
+from multimesh.schedules import Action
 
 _compat.register_exclusion(__file__)
 
@@ -28,69 +37,403 @@ class Fragment:
     eqns: list[int]  # indices into FlatProgram.eqns, in program order
     inputs: list[Slot] = dataclasses.field(default_factory=list)
     outputs: list[Slot] = dataclasses.field(default_factory=list)
+    microbatch: int | None = None
+    loop: int | None = None
+    actions: list[Action] = dataclasses.field(default_factory=list)
+    phases: str = ""
 
 
-def fragment(prog: FlatProgram, placement: Placement) -> list[Fragment]:
-    """Group instances into fragments ordered by (level, stage)."""
+@dataclasses.dataclass
+class _Group:
+    stage: int
+    mb: tuple[int, int] | None
+    phase: str
+    level: int
+    eqns: set[int]
+    succ: set[int] = dataclasses.field(default_factory=set)
+    pred: set[int] = dataclasses.field(default_factory=set)
+    alive: bool = True
+    actions: list[Action] = dataclasses.field(default_factory=list)
+
+
+def fragment(
+    prog: FlatProgram,
+    placement: Placement,
+    labels: Labels | None = None,
+    loops: list[Any] | None = None,
+) -> list[Fragment]:
+    """Group instances into fragments, in dispatch order."""
+    loops = loops or []
+    n = len(prog.eqns)
+    mbs = labels.microbatch if labels is not None and labels.microbatch else [None] * n
+    # phase: backward if transposed, or if it consumes backward results (e.g. the
+    # accumulation of a microbatch's gradients belongs to that microbatch's backward)
+    phase: list[str] = []
+    var_phase: dict[Any, str] = {}
+    for e in prog.eqns:
+        back = _compat.is_transposed(e.source_info.name_stack) or any(
+            var_phase.get(a) == "B" for a in e.invars if not isinstance(a, Literal)
+        )
+        phase.append("B" if back else "F")
+        for o in e.outvars:
+            var_phase[o] = phase[-1]
     transfers_from: dict[Slot, list[int]] = {}
     for v, src, dst in placement.transfers:
         transfers_from.setdefault((v, src), []).append(dst)
-    avail: dict[Slot, int] = {}  # level at which a value is available on a stage
-    for v, stages in placement.input_stages.items():
-        for s in stages:
-            avail[(v, s)] = 0
-    asap: dict[tuple[int, int], int] = {}
 
-    def publish(slot: Slot, level: int) -> None:
-        avail[slot] = level
+    # 1. ASAP levels
+    avail: dict[Slot, tuple[int, str]] = {}
+
+    def publish(slot: Slot, level: int, ph: str) -> None:
+        avail[slot] = (level, ph)
         for dst in transfers_from.get(slot, ()):
-            avail[(slot[0], dst)] = level + 1
+            avail[(slot[0], dst)] = (level + 1, "X")
 
     for v, stages in placement.input_stages.items():
         for s in stages:
-            publish((v, s), 0)
+            publish((v, s), 0, "X")
+    key_of: dict[tuple[int, int], tuple] = {}
+    groups_by_key: dict[tuple, int] = {}
+    groups: list[_Group] = []
     for i, e in enumerate(prog.eqns):
         for s in placement.instances[i]:
             lvl = 0
             for a in e.invars:
-                if not isinstance(a, Literal):
-                    lvl = max(lvl, avail[(a, s)])
-            asap[(i, s)] = lvl
+                if isinstance(a, Literal):
+                    continue
+                al, aph = avail[(a, s)]
+                lvl = max(lvl, al + (1 if aph == "F" and phase[i] == "B" else 0))
+            key = (s, mbs[i], phase[i], lvl)
+            key_of[(i, s)] = key
+            if key not in groups_by_key:
+                groups_by_key[key] = len(groups)
+                groups.append(_Group(s, mbs[i], phase[i], lvl, set()))
+            groups[groups_by_key[key]].eqns.add(i)
             for o in e.outvars:
-                publish((o, s), lvl)
+                publish((o, s), lvl, phase[i])
 
-    # ALAP (one backward sweep): each consumer bounds its producers from above. A value
-    # sent to another stage must be ready one level before its first use there.
-    bound: dict[Slot, int] = {}
-    final: dict[tuple[int, int], int] = {}
-    for i in range(len(prog.eqns) - 1, -1, -1):
-        e = prog.eqns[i]
-        for s in placement.instances[i]:
-            lim: int | None = None
-            for o in e.outvars:
-                cands = [bound.get((o, s))]
-                cands += [
-                    bound[(o, d)] - 1 for d in transfers_from.get((o, s), ()) if (o, d) in bound
-                ]
-                for b in cands:
-                    if b is not None:
-                        lim = b if lim is None else min(lim, b)
-            lvl = asap[(i, s)] if lim is None else max(asap[(i, s)], lim)
-            final[(i, s)] = lvl
-            for a in e.invars:
-                if not isinstance(a, Literal):
-                    slot = (a, s)
-                    if slot not in bound or lvl < bound[slot]:
-                        bound[slot] = lvl
+    # group graph
+    made_by: dict[Slot, int] = {}
+    for (i, s), key in key_of.items():
+        for o in prog.eqns[i].outvars:
+            made_by[(o, s)] = groups_by_key[key]
 
-    groups: dict[tuple[int, int], list[int]] = {}
-    for (i, s), lvl in final.items():
-        groups.setdefault((lvl, s), []).append(i)
-    frags = [
-        Fragment(stage=s, level=lvl, eqns=sorted(idx)) for (lvl, s), idx in sorted(groups.items())
-    ]
+    def source_group(slot: Slot) -> int | None:
+        if slot in made_by:
+            return made_by[slot]
+        for v_src in _transfer_src.get(slot, ()):
+            return made_by.get((slot[0], v_src))
+        return None
+
+    _transfer_src: dict[Slot, list[int]] = {}
+    for v, src, dst in placement.transfers:
+        _transfer_src.setdefault((v, dst), []).append(src)
+
+    def rebuild_edges() -> None:
+        for g in groups:
+            g.succ.clear()
+            g.pred.clear()
+        owner: dict[tuple[int, int], int] = {}
+        for gid, g in enumerate(groups):
+            if g.alive:
+                for i in g.eqns:
+                    owner[(i, g.stage)] = gid
+        made_by.clear()
+        for (i, s), gid in owner.items():
+            for o in prog.eqns[i].outvars:
+                made_by[(o, s)] = gid
+        for (i, s), gid in owner.items():
+            for a in prog.eqns[i].invars:
+                if isinstance(a, Literal):
+                    continue
+                src = source_group((a, s))
+                if src is not None and src != gid:
+                    groups[gid].pred.add(src)
+                    groups[src].succ.add(gid)
+
+    rebuild_edges()
+
+    def reaches_via_other(g: int, h: int) -> bool:
+        """Is there a path g -> x -> ... -> h with x != h?"""
+        seen: set[int] = set()
+        stack = [x for x in groups[g].succ if x != h]
+        while stack:
+            x = stack.pop()
+            if x == h:
+                return True
+            if x in seen:
+                continue
+            seen.add(x)
+            stack.extend(groups[x].succ)
+        return False
+
+    def merge(into: int, other: int) -> None:
+        gi, go = groups[into], groups[other]
+        gi.eqns |= go.eqns
+        gi.actions += [a for a in go.actions if a not in gi.actions]
+        go.alive = False
+        for p in go.pred:
+            groups[p].succ.discard(other)
+            if p != into:
+                groups[p].succ.add(into)
+                gi.pred.add(p)
+        for c in go.succ:
+            groups[c].pred.discard(other)
+            if c != into:
+                groups[c].pred.add(into)
+                gi.succ.add(c)
+        gi.pred.discard(into)
+        gi.succ.discard(into)
+        gi.pred.discard(other)
+        gi.succ.discard(other)
+
+    def sends(gid: int) -> bool:
+        """Whether a group sends values to other stages (merging it would delay them)."""
+        g = groups[gid]
+        return any((o, g.stage) in transfers_from for i in g.eqns for o in prog.eqns[i].outvars)
+
+    # 2. structural merges within (stage, microbatch[, phase for loops])
+    changed = True
+    while changed:
+        changed = False
+        for gid, g in enumerate(groups):
+            if not g.alive:
+                continue
+            for h in sorted(g.succ, key=lambda x: groups[x].level):
+                gh = groups[h]
+                same = (
+                    gh.stage == g.stage and gh.mb == g.mb and (g.mb is None or gh.phase == g.phase)
+                )
+                if same and not sends(gid) and not reaches_via_other(gid, h):
+                    merge(h, gid)  # run g's work with h
+                    changed = True
+                    break
+            if changed:
+                break
+    # independent same-key leftovers with no dependency (e.g. two unrelated pieces)
+    # stay separate: they are ordered by level.
+
+    # 3. actions and the zero-bubble split
+    sched_rows: dict[int, tuple[Any, list[list[Action]], dict[int, int]]] = {}
+    if loops:
+        sched_rows = _build_schedules(groups, loops, labels)
+        for loop, (sched, _rows, _m) in sched_rows.items():
+            if sched.splits_backward:
+                _split_backward(groups, loop, prog, placement, transfers_from)
+        rebuild_edges()
+
+    # 4. per-submesh order
+    for g in groups:
+        if not g.eqns:
+            g.alive = False
+    stages = sorted({g.stage for g in groups if g.alive})
+    seqs: dict[int, list[int]] = {}
+    for s in stages:
+        mine = [gid for gid, g in enumerate(groups) if g.alive and g.eqns and g.stage == s]
+        loop_groups = [gid for gid in mine if groups[gid].mb is not None]
+        pre, post = [], []
+        if loop_groups:
+            after = _descendants(groups, loop_groups)
+            for gid in mine:
+                if groups[gid].mb is None:
+                    (post if gid in after else pre).append(gid)
+        else:
+            pre = mine
+        seq = sorted(pre, key=lambda x: groups[x].level)
+        seq += _loop_order(groups, loop_groups, sched_rows)
+        seq += sorted(post, key=lambda x: groups[x].level)
+        seqs[s] = seq
+
+    # merge a consumer that directly follows its producer on the same submesh
+    for s in stages:
+        seq = seqs[s]
+        out: list[int] = []
+        for gid in seq:
+            if out:
+                prev = out[-1]
+                gp, gc = groups[prev], groups[gid]
+                if (
+                    gid in gp.succ
+                    and gp.mb == gc.mb
+                    and not sends(prev)
+                    and not reaches_via_other(prev, gid)
+                ):
+                    merge(prev, gid)
+                    continue
+            out.append(gid)
+        seqs[s] = out
+
+    order = _dispatch_order(groups, seqs)
+    frags: list[Fragment] = []
+    for gid in order:
+        g = groups[gid]
+        frags.append(
+            Fragment(
+                stage=g.stage,
+                level=g.level,
+                eqns=sorted(g.eqns),
+                microbatch=g.mb[1] if g.mb else None,
+                loop=g.mb[0] if g.mb else None,
+                actions=list(g.actions),
+                phases="".join(sorted({phase[i] for i in g.eqns}, key="FBW".index)),
+            )
+        )
     _wire(prog, placement, frags)
     return frags
+
+
+def _descendants(groups: list[_Group], roots: list[int]) -> set[int]:
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        x = stack.pop()
+        for c in groups[x].succ:
+            if c not in seen:
+                seen.add(c)
+                stack.append(c)
+    return seen
+
+
+def _build_schedules(groups, loops, labels):
+    """Map loop groups to schedule actions; build and validate each loop's schedule."""
+    out = {}
+    for loop, info in enumerate(loops):
+        mine = [gid for gid, g in enumerate(groups) if g.alive and g.mb and g.mb[0] == loop]
+        if not mine:
+            continue
+        virt_of: dict[int, int] = {}
+        for gid in mine:
+            vs = [
+                labels.virtual[i]
+                for i in groups[gid].eqns
+                if labels.virtual and labels.tasks[i] is not None
+            ]
+            if vs:
+                virt_of[gid] = max(set(vs), key=vs.count)
+        used = sorted(set(virt_of.values()))
+        if not used:
+            continue
+        num_virtual = used[-1] + 1
+        submeshes = sorted({groups[g].stage for g in mine})
+        S = len({groups[g].stage for g in virt_of})
+        sched = info.schedule
+        chunks = max(1, num_virtual // max(S, 1))
+        if num_virtual % S:
+            raise ValueError(
+                f"the microbatch loop has {num_virtual} pipeline stages on {S} submeshes; "
+                "with interleaving, the number of task stages must be a multiple of the "
+                "number of submeshes (stage v runs on submesh v % S)."
+            )
+        if chunks > 1 and sched.chunks(S, num_virtual) == 1:
+            raise ValueError(
+                f"the microbatch loop has {num_virtual} task stages on {S} submeshes; "
+                f"schedule {sched.name!r} runs one stage per submesh: use "
+                "mm.schedules.Interleaved1F1B() (or fewer stages)."
+            )
+        for gid in mine:
+            if gid not in virt_of:
+                cands = [
+                    virt_of[x]
+                    for x in mine
+                    if x in virt_of and groups[x].stage == groups[gid].stage
+                ]
+                virt_of[gid] = min(cands) if cands else min(used)
+        rows = sched.build(S, info.num_microbatches, chunks)
+        for gid in mine:
+            g = groups[gid]
+            g.actions = [Action(virt_of[gid], g.mb[1], g.phase)]
+        sub_of_row = {}
+        for gid in mine:
+            sub_of_row[virt_of[gid] % S] = groups[gid].stage
+        del submeshes
+        out[loop] = (sched, rows, sub_of_row)
+    return out
+
+
+def _split_backward(groups, loop, prog, placement, transfers_from):
+    """Split each backward loop group into B (what other stages need) and W (the rest)."""
+    for gid in range(len(groups)):
+        g = groups[gid]
+        if not g.alive or g.mb is None or g.mb[0] != loop or g.phase != "B":
+            continue
+        eqns = sorted(g.eqns)
+        producer = {}
+        for i in eqns:
+            for o in prog.eqns[i].outvars:
+                producer[o] = i
+        need: set[int] = set()
+        stack = [
+            producer[o]
+            for i in eqns
+            for o in prog.eqns[i].outvars
+            if (o, g.stage) in transfers_from
+        ]
+        while stack:
+            i = stack.pop()
+            if i in need:
+                continue
+            need.add(i)
+            for a in prog.eqns[i].invars:
+                if not isinstance(a, Literal) and a in producer:
+                    stack.append(producer[a])
+        rest = set(eqns) - need
+        (act,) = g.actions
+        w_act = Action(act.stage, act.microbatch, "W")
+        if not rest:
+            groups.append(_Group(g.stage, g.mb, "W", g.level + 1, set(), actions=[w_act]))
+            continue
+        g.eqns = need
+        groups.append(_Group(g.stage, g.mb, "W", g.level + 1, rest, actions=[w_act]))
+
+
+def _loop_order(groups, loop_groups, sched_rows):
+    by_action: dict[Action, list[int]] = {}
+    for gid in loop_groups:
+        for a in groups[gid].actions:
+            by_action.setdefault(a, []).append(gid)
+    out: list[int] = []
+    placed: set[int] = set()
+    for _loop, (_sched, rows, _sub) in sorted(sched_rows.items()):
+        for row in rows:
+            for a in row:
+                for gid in sorted(by_action.get(a, []), key=lambda x: groups[x].level):
+                    if gid not in placed and groups[gid].alive:
+                        placed.add(gid)
+                        out.append(gid)
+    rest = [g for g in loop_groups if g not in placed and groups[g].alive]
+    out += sorted(rest, key=lambda x: (groups[x].level, groups[x].mb))
+    return out
+
+
+def _dispatch_order(groups, seqs: dict[int, list[int]]) -> list[int]:
+    pos = {s: 0 for s in seqs}
+    done: set[int] = set()
+    order: list[int] = []
+    total = sum(len(v) for v in seqs.values())
+    while len(order) < total:
+        progressed = False
+        for s, seq in seqs.items():
+            if pos[s] < len(seq):
+                gid = seq[pos[s]]
+                if all(p in done for p in groups[gid].pred):
+                    order.append(gid)
+                    done.add(gid)
+                    pos[s] += 1
+                    progressed = True
+        if not progressed:
+            for s, seq in seqs.items():
+                if pos[s] < len(seq):
+                    gid = seq[pos[s]]
+                    need = next(p for p in groups[gid].pred if p not in done)
+                    what = groups[gid].actions or [f"level {groups[gid].level}"]
+                    dep = groups[need].actions or [f"level {groups[need].level}"]
+                    raise ValueError(
+                        f"invalid schedule: step {pos[s]} on stage {s} ({what[0]}) cannot run: "
+                        f"it needs {dep[0]} on stage {groups[need].stage}, which is "
+                        "scheduled after work that waits on this step (deadlock). Reorder "
+                        "the schedule."
+                    )
+    return order
 
 
 def _wire(prog: FlatProgram, placement: Placement, frags: list[Fragment]) -> None:

@@ -54,6 +54,8 @@ class Labels:
     stages: list[int | None]  # target index per eqn, None when untagged
     targets: list[Target]
     task_meshes: list[Mesh | None]  # the mesh each tagged eqn's shardings refer to
+    microbatch: list[tuple[int, int] | None] = dataclasses.field(default_factory=list)
+    virtual: list[int | None] = dataclasses.field(default_factory=list)  # task stage ids
 
 
 @dataclasses.dataclass

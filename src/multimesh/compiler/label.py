@@ -89,4 +89,28 @@ def label(prog: FlatProgram, mmesh: MultiMesh | None) -> Labels:
         import numpy as np
 
         targets.append(Target(0, Mesh(np.array([dev]), ("_mm",)), "default"))
-    return Labels(tasks=tasks, stages=stages, targets=targets, task_meshes=task_meshes)
+    mbs = [_microbatch(e) for e in prog.eqns]
+    virtual = [r.stage if r is not None and r.mesh is None else s for r, s in zip(tasks, stages)]
+    return Labels(
+        tasks=tasks,
+        stages=stages,
+        targets=targets,
+        task_meshes=task_meshes,
+        microbatch=mbs,
+        virtual=virtual,
+    )
+
+
+def _microbatch(eqn: Any) -> tuple[int, int] | None:
+    from multimesh.microbatch import decode_microbatch
+
+    found = [
+        m
+        for s in _compat.scope_names(eqn.source_info.name_stack)
+        if (m := decode_microbatch(s)) is not None
+    ]
+    if len(found) > 1:
+        raise ValueError(
+            "mm.microbatch loops are nested; a microbatch loop cannot contain another one."
+        )
+    return found[0] if found else None

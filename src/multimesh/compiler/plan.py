@@ -126,7 +126,9 @@ def _frag_info(
         else:
             forward = True
     base = "+".join(tasks) if tasks else f"stage{f.stage}"
-    if backward and not forward:
+    if f.actions:
+        base += ":" + "+".join(f"{a.phase}{a.microbatch}" for a in f.actions)
+    elif backward and not forward:
         base += ".bwd"
     elif backward:
         base += ".fwd+bwd"

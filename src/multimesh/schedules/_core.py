@@ -1,0 +1,178 @@
+"""Schedules as data: for each submesh, the ordered list of actions it runs.
+
+An action is (stage, microbatch, phase): phase ``"F"`` (forward), ``"B"`` (backward; for
+schedules that split it, the input-gradient part) or ``"W"`` (weight-gradient part).
+``stage`` is the (virtual) pipeline stage; with interleaving, stage ``v`` runs on
+submesh ``v % num_submeshes``. Every schedule can be validated against pipeline data
+dependencies (a deadlocking order is a clear error naming the first step that cannot
+run) and simulated (``multimesh.schedules.simulate``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from multimesh import _compat
+
+_compat.register_exclusion(__file__)
+
+PHASES = ("F", "B", "W")
+
+
+class Action(NamedTuple):
+    """One unit of pipeline work: a (virtual) stage's phase for one microbatch."""
+
+    stage: int
+    microbatch: int
+    phase: str
+
+    def __str__(self) -> str:
+        return f"{self.phase}{self.microbatch}@s{self.stage}"
+
+
+Order = list[list[Action]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Base class: subclasses build the per-submesh action lists."""
+
+    name: str = dataclasses.field(default="schedule", init=False)
+
+    #: whether the backward is split into input-gradient (B) and weight-gradient (W) parts
+    splits_backward: bool = dataclasses.field(default=False, init=False)
+
+    def chunks(self, num_submeshes: int, num_stages: int | None = None) -> int:
+        """Virtual stages per submesh (1 unless interleaved)."""
+        return 1
+
+    def order(self, num_submeshes: int, num_microbatches: int, num_chunks: int = 1) -> Order:
+        raise NotImplementedError
+
+    def build(self, num_submeshes: int, num_microbatches: int, num_chunks: int = 1) -> Order:
+        """The validated order for this pipeline shape."""
+        _check_shape(num_submeshes, num_microbatches, num_chunks)
+        order = self.order(num_submeshes, num_microbatches, num_chunks)
+        validate(order, num_submeshes, num_microbatches, num_chunks, self.splits_backward)
+        return order
+
+
+def _check_shape(num_submeshes: int, num_microbatches: int, num_chunks: int) -> None:
+    for name, v in (
+        ("num_submeshes", num_submeshes),
+        ("num_microbatches", num_microbatches),
+        ("num_chunks", num_chunks),
+    ):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}.")
+
+
+def dependencies(a: Action, num_stages: int, splits_backward: bool) -> list[Action]:
+    """The actions ``a`` needs (pipeline data dependencies)."""
+    s, k, p = a
+    if p == "F":
+        return [Action(s - 1, k, "F")] if s > 0 else []
+    if p == "B":
+        deps = [Action(s, k, "F")]
+        if s < num_stages - 1:
+            deps.append(Action(s + 1, k, "B"))
+        return deps
+    return [Action(s, k, "B")]
+
+
+def expected_actions(
+    num_submeshes: int, num_microbatches: int, num_chunks: int, splits_backward: bool
+) -> list[set[Action]]:
+    phases = ("F", "B", "W") if splits_backward else ("F", "B")
+    out: list[set[Action]] = [set() for _ in range(num_submeshes)]
+    for v in range(num_submeshes * num_chunks):
+        for k in range(num_microbatches):
+            for p in phases:
+                out[v % num_submeshes].add(Action(v, k, p))
+    return out
+
+
+def validate(
+    order: Sequence[Sequence[Any]],
+    num_submeshes: int,
+    num_microbatches: int,
+    num_chunks: int = 1,
+    splits_backward: bool | None = None,
+) -> Order:
+    """Check that an order runs every action once, on its submesh, without deadlock."""
+    if not isinstance(order, (list, tuple)) or len(order) != num_submeshes:
+        raise ValueError(
+            f"a schedule order needs one list of actions per submesh ({num_submeshes}), "
+            f"got {len(order) if isinstance(order, (list, tuple)) else type(order).__name__}."
+        )
+    acts: Order = []
+    for s, row in enumerate(order):
+        r = []
+        for j, a in enumerate(row):
+            try:
+                st, k, p = a
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"schedule step {j} on submesh {s}: {a!r} is not a (stage, microbatch, "
+                    "phase) triple."
+                ) from None
+            if p not in PHASES:
+                raise ValueError(
+                    f"schedule step {j} on submesh {s}: phase {p!r} is not one of {PHASES}."
+                )
+            r.append(Action(int(st), int(k), str(p)))
+        acts.append(r)
+    if splits_backward is None:
+        splits_backward = any(a.phase == "W" for row in acts for a in row)
+    want = expected_actions(num_submeshes, num_microbatches, num_chunks, splits_backward)
+    num_stages = num_submeshes * num_chunks
+    for s, row in enumerate(acts):
+        seen: set[Action] = set()
+        for j, a in enumerate(row):
+            if a not in want[s]:
+                raise ValueError(
+                    f"schedule step {j} on submesh {s}: {a} does not belong there (stage "
+                    f"{a.stage} runs on submesh {a.stage % num_submeshes}; microbatches "
+                    f"0..{num_microbatches - 1}; {num_stages} stages)."
+                )
+            if a in seen:
+                raise ValueError(f"schedule step {j} on submesh {s}: {a} appears twice.")
+            seen.add(a)
+        missing = sorted(want[s] - seen)
+        if missing:
+            raise ValueError(
+                f"schedule for submesh {s} is missing {len(missing)} action(s), e.g. {missing[0]}."
+            )
+    # deadlock check: run in rounds
+    pos = [0] * num_submeshes
+    done: set[Action] = set()
+    total = sum(len(r) for r in acts)
+    while len(done) < total:
+        progressed = False
+        for s in range(num_submeshes):
+            while pos[s] < len(acts[s]):
+                a = acts[s][pos[s]]
+                if all(d in done for d in dependencies(a, num_stages, splits_backward)):
+                    done.add(a)
+                    pos[s] += 1
+                    progressed = True
+                else:
+                    break
+        if not progressed:
+            for s in range(num_submeshes):
+                if pos[s] < len(acts[s]):
+                    a = acts[s][pos[s]]
+                    need = [
+                        d for d in dependencies(a, num_stages, splits_backward) if d not in done
+                    ]
+                    d = need[0]
+                    owner = d.stage % num_submeshes
+                    at = acts[owner].index(d)
+                    raise ValueError(
+                        f"invalid schedule: step {pos[s]} on submesh {s} ({a}) cannot run: it "
+                        f"needs {d}, which submesh {owner} only runs at its step {at}, after "
+                        "work that waits on this one (deadlock). Reorder the steps."
+                    )
+    return acts

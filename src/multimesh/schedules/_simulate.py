@@ -1,0 +1,181 @@
+"""Deterministic simulation of a schedule: timelines, makespan, bubble, memory."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from multimesh import _compat
+from multimesh.schedules._builtin import get
+from multimesh.schedules._core import Action, Order, dependencies
+
+_compat.register_exclusion(__file__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    action: Action
+    start: float
+    end: float
+
+
+@dataclasses.dataclass
+class Timeline:
+    """Per-submesh events (simulated or measured)."""
+
+    events: list[list[Event]]
+    name: str = "schedule"
+    peak_in_flight: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_submeshes(self) -> int:
+        return len(self.events)
+
+    @property
+    def makespan(self) -> float:
+        ends = [e.end for row in self.events for e in row]
+        starts = [e.start for row in self.events for e in row]
+        return (max(ends) - min(starts)) if ends else 0.0
+
+    @property
+    def busy(self) -> list[float]:
+        return [sum(e.end - e.start for e in row) for row in self.events]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of submesh time between the first start and the last end."""
+        span = self.makespan
+        if span <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (self.num_submeshes * span)
+
+    def plot(self, path: str | None = None, ax: Any = None, title: str | None = None) -> Any:
+        """A Gantt chart (matplotlib); saved as PNG when ``path`` is given."""
+        import matplotlib
+
+        if path is not None and ax is None:
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        fig = None
+        if ax is None:
+            fig, ax = plt.subplots(
+                figsize=(max(6, self.makespan * 0.35 + 2), 0.6 * self.num_submeshes + 1)
+            )
+        colors = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+        t0 = min((e.start for row in self.events for e in row), default=0.0)
+        for s, row in enumerate(self.events):
+            for e in row:
+                ax.barh(
+                    s,
+                    e.end - e.start,
+                    left=e.start - t0,
+                    color=colors.get(e.action.phase, "gray"),
+                    edgecolor="black",
+                    linewidth=0.5,
+                )
+                ax.text(
+                    e.start - t0 + (e.end - e.start) / 2,
+                    s,
+                    f"{e.action.phase}{e.action.microbatch}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                )
+        ax.set_yticks(range(self.num_submeshes))
+        ax.set_yticklabels([f"submesh {s}" for s in range(self.num_submeshes)])
+        ax.invert_yaxis()
+        ax.set_xlabel("time")
+        ax.set_title(
+            title or f"{self.name}: bubble {self.bubble_fraction:.1%}, makespan {self.makespan:.3g}"
+        )
+        if fig is not None:
+            fig.tight_layout()
+            if path is not None:
+                fig.savefig(path, dpi=100)
+                plt.close(fig)
+        return ax
+
+
+def simulate(
+    schedule: Any,
+    num_stages: int,
+    num_microbatches: int,
+    forward_cost: float = 1.0,
+    backward_cost: float = 2.0,
+    weight_cost: float | None = None,
+    comm_cost: float = 0.0,
+    num_chunks: int | None = None,
+) -> Timeline:
+    """Simulate ``schedule`` on ``num_stages`` submeshes with ``num_microbatches``.
+
+    Each action takes its phase's cost (for split backwards, ``backward_cost`` is shared
+    between B and W: by default half each). An action starts when its submesh is free and
+    its dependencies have finished (plus ``comm_cost`` when they ran on another submesh).
+    ``peak_in_flight[s]``: most microbatches whose activations submesh ``s`` holds at once
+    (forward started, backward (or W) not finished).
+    """
+    sched = get(schedule)
+    chunks = num_chunks if num_chunks is not None else sched.chunks(num_stages)
+    order = sched.build(num_stages, num_microbatches, chunks)
+    total_stages = num_stages * chunks
+    split = sched.splits_backward
+    if split:
+        w = backward_cost / 2 if weight_cost is None else weight_cost
+        b = backward_cost - w if weight_cost is None else backward_cost
+        cost = {"F": forward_cost / chunks, "B": b / chunks, "W": w / chunks}
+    else:
+        cost = {"F": forward_cost / chunks, "B": backward_cost / chunks}
+    return _run(order, num_stages, total_stages, split, cost, comm_cost, sched.name)
+
+
+def _run(
+    order: Order,
+    S: int,
+    total_stages: int,
+    split: bool,
+    cost: dict[str, float],
+    comm: float,
+    name: str,
+) -> Timeline:
+    end: dict[Action, float] = {}
+    pos = [0] * S
+    free = [0.0] * S
+    events: list[list[Event]] = [[] for _ in range(S)]
+    n = sum(len(r) for r in order)
+    while len(end) < n:
+        progressed = False
+        for s in range(S):
+            while pos[s] < len(order[s]):
+                a = order[s][pos[s]]
+                deps = dependencies(a, total_stages, split)
+                if not all(d in end for d in deps):
+                    break
+                ready = max(
+                    [free[s]] + [end[d] + (comm if d.stage % S != s else 0.0) for d in deps]
+                )
+                fin = ready + cost[a.phase]
+                end[a] = fin
+                free[s] = fin
+                events[s].append(Event(a, ready, fin))
+                pos[s] += 1
+                progressed = True
+        if not progressed:  # validated orders cannot stall
+            raise RuntimeError("schedule simulation stalled")
+    last = "W" if split else "B"
+    peaks = []
+    for s in range(S):
+        marks = []
+        for e in events[s]:
+            if e.action.phase == "F":
+                marks.append((e.start, 1))
+            elif e.action.phase == last:
+                marks.append((e.end, -1))
+        marks.sort(key=lambda m: (m[0], m[1]))
+        cur = peak = 0
+        for _, d in marks:
+            cur += d
+            peak = max(peak, cur)
+        peaks.append(peak)
+    return Timeline(events=events, name=name, peak_in_flight=peaks)
