@@ -150,6 +150,20 @@ class Compiled:
         flat, _ = jax.tree_util.tree_flatten((call.dyn_args, call.dyn_kwargs))
         return self.call_flat(flat)
 
+    @property
+    def num_executables(self) -> int:
+        """Distinct XLA executables (identical fragments share one)."""
+        return self._exe.num_executables
+
+    def record(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Run once and return ``(outputs, timeline)``: a measured
+        :class:`multimesh.schedules.Timeline` (per-fragment start/end in µs, peak live
+        bytes and microbatches per submesh), plottable and exportable as a Chrome trace."""
+        call = self._fn._normalize(args, kwargs)
+        flat, _ = jax.tree_util.tree_flatten((call.dyn_args, call.dyn_kwargs))
+        outs, tl = self._exe.record(flat)
+        return jax.tree_util.tree_unflatten(self._out_tree, outs), tl
+
 
 class MpmdFunction:
     """The result of :func:`jit`: traces per input signature, compiles, and runs."""
@@ -294,7 +308,9 @@ class MpmdFunction:
         flat, in_tree = jax.tree_util.tree_flatten((call.dyn_args, call.dyn_kwargs))
         return Lowered(self, call, flat, in_tree)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _compiled_for(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Compiled, list[Any]]:
         call = self._normalize(args, kwargs)
         flat, in_tree = jax.tree_util.tree_flatten((call.dyn_args, call.dyn_kwargs))
         key = (
@@ -307,7 +323,17 @@ class MpmdFunction:
         if compiled is None:
             compiled = Lowered(self, call, flat, in_tree).compile()
             self._cache[key] = compiled
+        return compiled, flat
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        compiled, flat = self._compiled_for(args, kwargs)
         return compiled.call_flat(flat)
+
+    def record(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Like calling, but also returns the measured timeline of this step
+        (see :meth:`Compiled.record`)."""
+        compiled, _ = self._compiled_for(args, kwargs)
+        return compiled.record(*args, **kwargs)
 
 
 def jit(

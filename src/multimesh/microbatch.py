@@ -111,10 +111,13 @@ def microbatch(
         with stage_limit(sched):
             if state is not None:
                 loop = state.add_loop(sched, M)
+                # slice outside the microbatch scopes, so that each stage's fragments are
+                # identical across microbatches and share one executable
+                pieces = [piece(k) for k in range(M)]
                 acc = None
                 for k in range(M):
                     with jax.named_scope(f"mb{k}@mm:L{loop}"):
-                        out = fun(*piece(k), **kwargs)
+                        out = fun(*pieces[k], **kwargs)
                         acc = out if acc is None else jax.tree.map(jnp.add, acc, out)
                 outs = acc
             else:

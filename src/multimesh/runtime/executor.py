@@ -62,7 +62,17 @@ class Executable:
             for i in (rest[0] if len(rest[0]) > 1 else [])
         }
         slot_var = {sid: var for (var, _s), sid in plan.slots.items()}
+        mb_of_var: dict[Any, Any] = {}
+        if labels.microbatch:
+            for i, e in enumerate(prog.eqns):
+                if labels.microbatch[i] is not None:
+                    for o in e.outvars:
+                        mb_of_var[o] = labels.microbatch[i]
+        #: slot -> (loop, microbatch) of the value it holds (for memory accounting)
+        self.slot_microbatch = {sid: mb_of_var.get(v) for sid, v in slot_var.items()}
         self.compiled: list[Any] = []
+        self._run_index: list[int] = []  # step index of each fragment's run
+        cache: dict[Any, Any] = {}
 
         for st in plan.steps:
             if st.kind == "inputs":
@@ -102,8 +112,9 @@ class Executable:
                 )
                 fn = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(jaxpr, []))
                 in_sh = tuple(slot_sh[i] for i in in_ids)
+                # a fragment without inputs would run on the default device: pin it
                 out_sh = tuple(
-                    NamedSharding(mesh, PartitionSpec()) if i in multi_out else None
+                    NamedSharding(mesh, PartitionSpec()) if i in multi_out or not in_ids else None
                     for i in out_ids
                 )
                 donate = tuple(
@@ -121,16 +132,28 @@ class Executable:
                     )
                     for (v, _), sh in zip(f.inputs, in_sh)
                 ]
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
-                    compiled = (
-                        jax.jit(
-                            body, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate
+                # identical fragments (e.g. one stage's work for each microbatch) share
+                # one executable
+                key = (str(jaxpr), in_sh, out_sh, donate, tuple(avals))
+                compiled = cache.get(key)
+                if compiled is None:
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings(
+                            "ignore", message=".*donated buffers were not usable.*"
                         )
-                        .lower(*avals)
-                        .compile()
-                    )
+                        compiled = (
+                            jax.jit(
+                                body,
+                                in_shardings=in_sh,
+                                out_shardings=out_sh,
+                                donate_argnums=donate,
+                            )
+                            .lower(*avals)
+                            .compile()
+                        )
+                    cache[key] = compiled
                 self.compiled.append(compiled)
+                self._run_index.append(len(steps))
                 for i, sh in zip(out_ids, compiled.output_shardings):
                     slot_sh[i] = sh
                 steps.append((_RUN, compiled, tuple(in_ids), tuple(out_ids), tuple(st.free)))
@@ -266,6 +289,22 @@ class Executable:
         return assemble
 
     # -- call -------------------------------------------------------------------------
+
+    @property
+    def num_executables(self) -> int:
+        """Distinct XLA executables (identical fragments share one)."""
+        return len({id(c) for c in self.compiled})
+
+    def record(self, args: Sequence[Any]) -> tuple[list[Any], Any]:
+        """Run once, recording per-fragment times and live buffers per stage.
+
+        A waiter thread per submesh blocks on each fragment's outputs in dispatch order,
+        so submeshes still overlap. A fragment's start is the latest of its dispatch, the
+        end of the previous fragment on its submesh, and the ends of its producers.
+        """
+        from multimesh.runtime.record import record_run
+
+        return record_run(self, args)
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         env = list(self._template)

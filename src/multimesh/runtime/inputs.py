@@ -46,7 +46,7 @@ def analyze(x: Any, targets: list[Target], stage_axis: str | None) -> InputInfo:
         if stage_axis not in _spec_axes(sh.spec):
             dim = tuple(mesh.axis_names).index(stage_axis)
             slices = {
-                tuple(int(d.id) for d in np.take(mesh.devices, j, axis=dim).flat): j
+                tuple(int(d.id) for d in np.take(mesh.devices, [j], axis=dim).flat): j
                 for j in range(mesh.devices.shape[dim])
             }
             for t in targets:

@@ -17,6 +17,7 @@ class Event:
     action: Action
     start: float
     end: float
+    label: str = ""
 
 
 @dataclasses.dataclass
@@ -25,7 +26,50 @@ class Timeline:
 
     events: list[list[Event]]
     name: str = "schedule"
+    #: most microbatches whose activations a submesh holds at once
     peak_in_flight: list[int] = dataclasses.field(default_factory=list)
+    #: measured timelines: most bytes of live buffers per submesh during the step
+    peak_live_bytes: list[int] = dataclasses.field(default_factory=list)
+    #: the stage id of each row (measured timelines); default 0..n-1
+    stages: list[int] = dataclasses.field(default_factory=list)
+
+    def to_chrome_trace(self, path: str | None = None) -> dict[str, Any]:
+        """A Chrome/Perfetto trace (``ui.perfetto.dev``); written as JSON to ``path``."""
+        import json
+
+        rows = self.stages or list(range(self.num_submeshes))
+        evs: list[dict[str, Any]] = []
+        for r, row in zip(rows, self.events):
+            evs.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": 0,
+                    "tid": r,
+                    "args": {"name": f"submesh {r}"},
+                }
+            )
+            for e in row:
+                evs.append(
+                    {
+                        "name": e.label or str(e.action),
+                        "ph": "X",
+                        "pid": 0,
+                        "tid": r,
+                        "ts": e.start,
+                        "dur": max(e.end - e.start, 0.0),
+                        "args": {
+                            "stage": e.action.stage,
+                            "microbatch": e.action.microbatch,
+                            "phase": e.action.phase,
+                        },
+                    }
+                )
+        trace = {"traceEvents": evs, "displayTimeUnit": "ms"}
+        if path is not None:
+            with open(path, "w") as fh:
+                json.dump(trace, fh)
+        return trace
 
     @property
     def num_submeshes(self) -> int:
@@ -59,9 +103,7 @@ class Timeline:
 
         fig = None
         if ax is None:
-            fig, ax = plt.subplots(
-                figsize=(max(6, self.makespan * 0.35 + 2), 0.6 * self.num_submeshes + 1)
-            )
+            fig, ax = plt.subplots(figsize=(12, 0.6 * self.num_submeshes + 1.5))
         colors = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
         t0 = min((e.start for row in self.events for e in row), default=0.0)
         for s, row in enumerate(self.events):
@@ -84,7 +126,8 @@ class Timeline:
                     color="white",
                 )
         ax.set_yticks(range(self.num_submeshes))
-        ax.set_yticklabels([f"submesh {s}" for s in range(self.num_submeshes)])
+        rows = self.stages or list(range(self.num_submeshes))
+        ax.set_yticklabels([f"submesh {s}" for s in rows])
         ax.invert_yaxis()
         ax.set_xlabel("time")
         ax.set_title(

@@ -1,0 +1,129 @@
+"""Measured timelines: per-fragment start/end times and live buffers during one step."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from multimesh import _compat
+from multimesh.compiler.ir import aval_nbytes
+from multimesh.schedules import Action, Event, Timeline
+
+_compat.register_exclusion(__file__)
+
+
+def _fragment_deps(plan: Any) -> list[set[int]]:
+    """For each fragment, the fragments whose outputs it consumes (directly or by transfer)."""
+    producer: dict[tuple[Any, int], int] = {}
+    for k, f in enumerate(plan.frags):
+        for slot in f.outputs:
+            producer[slot] = k
+    # a transferred slot (v, dst) comes from (v, src)
+    moved: dict[tuple[Any, int], tuple[Any, int]] = {}
+    for st in plan.steps:
+        if st.kind == "transfer":
+            pass
+    slot_by_id = {sid: slot for slot, sid in plan.slots.items()}
+    for st in plan.steps:
+        if st.kind == "transfer":
+            for src, dst, *_ in st.items:
+                moved[slot_by_id[dst]] = slot_by_id[src]
+    deps: list[set[int]] = []
+    for f in plan.frags:
+        d: set[int] = set()
+        for slot in f.inputs:
+            src = moved.get(slot, slot)
+            if src in producer:
+                d.add(producer[src])
+        deps.append(d)
+    return deps
+
+
+def record_run(exe: Any, args: Sequence[Any]) -> tuple[list[Any], Timeline]:
+    from multimesh.runtime.executor import _RUN
+
+    plan = exe.plan
+    slot_stage = {sid: slot[1] for slot, sid in plan.slots.items()}
+    slot_bytes = {sid: aval_nbytes(slot[0].aval) for slot, sid in plan.slots.items()}
+    slot_mb = getattr(exe, "slot_microbatch", {})
+    stages = sorted({f.stage for f in plan.frags})
+    dispatch: dict[int, float] = {}
+    ends: dict[int, float] = {}
+    queues: dict[int, queue.Queue] = {s: queue.Queue() for s in stages}
+
+    def waiter(s: int) -> None:
+        while True:
+            item = queues[s].get()
+            if item is None:
+                return
+            k, outs = item
+            jax.block_until_ready(outs)
+            ends[k] = time.perf_counter()
+
+    threads = [threading.Thread(target=waiter, args=(s,), daemon=True) for s in stages]
+    for t in threads:
+        t.start()
+    peak_bytes = {s: 0 for s in stages}
+    peak_mbs = {s: 0 for s in stages}
+    run_frag = {n: k for k, n in enumerate(exe._run_index)}
+    env = list(exe._template)
+    t_origin = time.perf_counter()
+    for n, (code, fn, ins, outs, free) in enumerate(exe._steps):
+        if code == _RUN:
+            k = run_frag[n]
+            dispatch[k] = time.perf_counter()
+            res = fn(*[env[i] for i in ins])
+            for i, r in zip(outs, res):
+                env[i] = r
+            queues[plan.frags[k].stage].put((k, list(res)))
+        else:
+            fn(env, args)
+        live_b = {s: 0 for s in stages}
+        live_m: dict[int, set] = {s: set() for s in stages}
+        for i, x in enumerate(env):
+            if x is not None and i in slot_stage and slot_stage[i] in live_b:
+                live_b[slot_stage[i]] += slot_bytes[i]
+                if slot_mb.get(i) is not None:
+                    live_m[slot_stage[i]].add(slot_mb[i])
+        for s in stages:
+            peak_bytes[s] = max(peak_bytes[s], live_b[s])
+            peak_mbs[s] = max(peak_mbs[s], len(live_m[s]))
+        for i in free:
+            env[i] = None
+    outputs = [o(env) for o in exe._outs]
+    jax.block_until_ready(outputs)
+    for s in stages:
+        queues[s].put(None)
+    for t in threads:
+        t.join()
+    deps = _fragment_deps(plan)
+    starts: dict[int, float] = {}
+    prev_end: dict[int, float] = {}
+    for k in sorted(dispatch, key=lambda k: dispatch[k]):
+        s = plan.frags[k].stage
+        st = max([dispatch[k], prev_end.get(s, 0.0)] + [ends[d] for d in deps[k] if d in ends])
+        starts[k] = min(st, ends[k])
+        prev_end[s] = ends[k]
+    index = {s: j for j, s in enumerate(stages)}
+    events: list[list[Event]] = [[] for _ in stages]
+    for k, f in enumerate(plan.frags):
+        info = plan.fragments[k]
+        act = f.actions[0] if f.actions else Action(f.stage, -1, (f.phases or "F")[0])
+        events[index[f.stage]].append(
+            Event(act, (starts[k] - t_origin) * 1e6, (ends[k] - t_origin) * 1e6, info.name)
+        )
+    for row in events:
+        row.sort(key=lambda e: e.start)
+    tl = Timeline(
+        events=events,
+        name="measured",
+        peak_in_flight=[peak_mbs[s] for s in stages],
+        peak_live_bytes=[peak_bytes[s] for s in stages],
+        stages=stages,
+    )
+    return outputs, tl

@@ -1,0 +1,242 @@
+"""Pipelining: mm.microbatch under mm.jit equals the jax.jit reference for every schedule."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close, reference, stage_of
+
+import multimesh as mm
+from multimesh import schedules as S
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1"]
+
+
+def mlp(num_task_stages):
+    def loss(ws, x, y):
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                h = h + jnp.tanh(h @ w)
+        return jnp.mean((h - y) ** 2)
+
+    return loss
+
+
+def weights(n, width=8, seed=0):
+    ks = jax.random.split(jax.random.key(seed), n)
+    return [jax.random.normal(k, (width, width)) / np.sqrt(width) for k in ks]
+
+
+def data(batch, width=8):
+    x = jax.random.normal(jax.random.key(11), (batch, width))
+    return x, jnp.sin(x)
+
+
+def stage_mesh(n):
+    return mm.make_mesh((n,), ("stage",), devices=jax.devices()[:n])
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_mlp_schedules_match_reference(schedule, stages, m):
+    if schedule == "interleaved-1f1b" and m % stages:
+        pytest.skip("interleaving needs M divisible by the number of submeshes")
+    mmesh = stage_mesh(stages)
+    n = 2 * stages if schedule == "interleaved-1f1b" else stages
+    ws = weights(n)
+    x, y = data(8)
+    g = mm.microbatch(
+        jax.value_and_grad(mlp(n)), m, argnums=(1, 2), schedule=schedule, reduce="mean"
+    )
+    got = mm.jit(g, mesh=mmesh)(ws, x, y)
+    assert_close(got, reference(g, mmesh, ws, x, y), rtol=1e-5, atol=1e-6)
+    assert [stage_of(gw, mmesh) for gw in got[1]] == [i % stages for i in range(n)]
+
+
+def test_plan_follows_schedule():
+    mmesh = stage_mesh(4)
+    ws = weights(4)
+    x, y = data(16)
+    for name, sched in [("1f1b", S.OneFOneB()), ("gpipe", S.GPipe())]:
+        g = mm.microbatch(jax.value_and_grad(mlp(4)), 8, argnums=(1, 2), schedule=sched)
+        plan = mm.jit(g, mesh=mmesh).lower(ws, x, y).plan
+        want = sched.build(4, 8)
+        for s in range(4):
+            acts = [a for f in plan.frags if f.stage == s for a in f.actions]
+            assert acts == want[s], name
+
+
+def test_identical_microbatch_fragments_share_executables():
+    mmesh = stage_mesh(4)
+    g = mm.microbatch(jax.value_and_grad(mlp(4)), 8, argnums=(1, 2), schedule="1f1b")
+    x, y = data(16)
+    compiled = mm.jit(g, mesh=mmesh).lower(weights(4), x, y).compile()
+    assert compiled.num_executables < len(compiled.plan.fragments) / 2
+
+
+def test_transformer_with_dp_tp_inside_stages(mesh222):
+    d, seq, batch = 8, 4, 8
+
+    def block(p, x):
+        h = x - x.mean(-1, keepdims=True)
+        att = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", h @ p["q"], h @ p["k"]) / np.sqrt(d), -1)
+        x = x + jnp.einsum("bqk,bkd->bqd", att, h @ p["v"])
+        u = jax.lax.with_sharding_constraint(jax.nn.gelu(x @ p["w1"]), jax.P("data", None, "model"))
+        return x + u @ p["w2"]
+
+    def loss(ps, x):
+        for i, p in enumerate(ps):
+            with mm.task(f"b{i}", stage=i):
+                x = block(p, x)
+        return (x**2).mean()
+
+    def init(k):
+        ks = jax.random.split(k, 5)
+        shapes = {"q": (d, d), "k": (d, d), "v": (d, d), "w1": (d, 4 * d), "w2": (4 * d, d)}
+        return {n: jax.random.normal(kk, s) * 0.2 for kk, (n, s) in zip(ks, shapes.items())}
+
+    ps = [init(k) for k in jax.random.split(jax.random.key(0), 2)]
+    x = jax.random.normal(jax.random.key(1), (batch, seq, d))
+    for schedule in ["1f1b", "zero-bubble-h1"]:
+        g = mm.microbatch(jax.value_and_grad(loss), 2, argnums=1, schedule=schedule)
+        assert_close(
+            mm.jit(g, mesh=mesh222)(ps, x), reference(g, mesh222, ps, x), rtol=2e-5, atol=2e-6
+        )
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1", "interleaved-1f1b"])
+def test_training_steps_match(schedule, mesh4x2):
+    n = 4 if schedule != "interleaved-1f1b" else 8
+    mmesh = stage_mesh(4) if schedule == "interleaved-1f1b" else mesh4x2
+    opt = optax.adam(1e-2)
+    grad_fn = mm.microbatch(
+        jax.value_and_grad(mlp(n)), 4, argnums=(1, 2), schedule=schedule, reduce="mean"
+    )
+
+    def step(ws, st, x, y):
+        val, grads = grad_fn(ws, x, y)
+        up, st = opt.update(grads, st, ws)
+        return optax.apply_updates(ws, up), st, val
+
+    ws = weights(n)
+    st = opt.init(ws)
+    x, y = data(8)
+    mstep = mm.jit(step, mesh=mmesh)
+    jstep = jax.jit(step)
+    mw, ms, rw, rs = ws, st, ws, st
+    for _ in range(3):
+        mw, ms, ml = mstep(mw, ms, x, y)
+        with mmesh:
+            rw, rs, rl = jstep(rw, rs, x, y)
+        assert_close((ml, mw, ms), (rl, rw, rs), rtol=1e-5, atol=1e-6)
+
+
+def test_measured_memory_1f1b_bounded_gpipe_grows(tmp_path):
+    mmesh = stage_mesh(4)
+    ws = weights(4)
+    x, y = data(16)
+    peaks = {}
+    for schedule in ["1f1b", "gpipe"]:
+        g = mm.microbatch(jax.value_and_grad(mlp(4)), 8, argnums=(1, 2), schedule=schedule)
+        f = mm.jit(g, mesh=mmesh)
+        out, tl = f.record(ws, x, y)
+        assert_close(out, reference(g, mmesh, ws, x, y))
+        peaks[schedule] = tl
+        assert len([e for row in tl.events for e in row]) == len(f.lower(ws, x, y).plan.fragments)
+        trace = tl.to_chrome_trace(str(tmp_path / f"{schedule}.json"))
+        assert json.loads((tmp_path / f"{schedule}.json").read_text()) == trace
+        assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+    # stage 0 holds at most S microbatches' activations (+1 for the gradient accumulator)
+    assert peaks["1f1b"].peak_in_flight[0] <= 4 + 1
+    assert peaks["gpipe"].peak_in_flight[0] >= 8
+    assert peaks["gpipe"].peak_live_bytes[0] > peaks["1f1b"].peak_live_bytes[0]
+    peaks["1f1b"].plot(str(tmp_path / "measured.png"))
+    assert (tmp_path / "measured.png").stat().st_size > 0
+
+
+def test_custom_schedule_equals_1f1b():
+    mmesh = stage_mesh(2)
+    order = S.OneFOneB().build(2, 4)
+    custom = S.Custom([[tuple(a) for a in row] for row in order])
+    ws = weights(2)
+    x, y = data(8)
+    g1 = mm.microbatch(jax.value_and_grad(mlp(2)), 4, argnums=(1, 2), schedule=custom)
+    g2 = mm.microbatch(jax.value_and_grad(mlp(2)), 4, argnums=(1, 2), schedule="1f1b")
+    assert_close(mm.jit(g1, mesh=mmesh)(ws, x, y), mm.jit(g2, mesh=mmesh)(ws, x, y))
+
+
+def test_forward_only_pipeline_and_pytree_reduce():
+    mmesh = stage_mesh(2)
+
+    def f(ws, x):
+        with mm.task("a", stage=0):
+            h = jnp.tanh(x @ ws[0])
+        with mm.task("b", stage=1):
+            h = h @ ws[1]
+        return {"sum": h.sum(), "mean": h.mean(), "count": jnp.float32(x.shape[0])}
+
+    g = mm.microbatch(f, 4, argnums=1, reduce={"sum": "sum", "mean": "mean", "count": "sum"})
+    ws, x = weights(2), data(8)[0]
+    got = mm.jit(g, mesh=mmesh)(ws, x)
+    assert_close(got, reference(g, mmesh, ws, x))
+    np.testing.assert_allclose(float(got["count"]), 8.0)
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+def test_batch_not_divisible():
+    g = mm.microbatch(lambda x: x.sum(), 3)
+    with pytest.raises(ValueError, match="batch size 8 along axis 0.*3 microbatches"):
+        mm.jit(g, mesh=stage_mesh(2))(jnp.ones((8, 2)))
+    with pytest.raises(ValueError, match="does not split into 3"):
+        g(jnp.ones((8, 2)))
+
+
+def test_reduce_pytree_mismatch():
+    g = mm.microbatch(lambda x: (x.sum(), x.mean()), 2, reduce=("sum",))
+    with pytest.raises(ValueError, match="reduce pytree .* does not match"):
+        g(jnp.ones((4, 2)))
+    with pytest.raises(ValueError, match="reduce must be 'sum', 'mean'"):
+        mm.microbatch(lambda x: x, 2, reduce="max")
+
+
+def test_bad_schedules():
+    with pytest.raises(ValueError, match="unknown schedule 'pipedream'"):
+        mm.microbatch(lambda x: x, 2, schedule="pipedream")
+    with pytest.raises(
+        ValueError, match=r"invalid schedule: step 0 on submesh 0 \(B0@s0\).*needs F0@s0"
+    ):
+        S.Custom([[(0, 0, "B"), (0, 0, "F")], [(1, 0, "F"), (1, 0, "B")]]).build(2, 1)
+    with pytest.raises(ValueError, match="missing"):
+        S.Custom([[(0, 0, "F")], [(1, 0, "F"), (1, 0, "B")]]).build(2, 1)
+    with pytest.raises(ValueError, match="appears twice"):
+        S.Custom([[(0, 0, "F"), (0, 0, "F"), (0, 0, "B")], [(1, 0, "F"), (1, 0, "B")]]).build(2, 1)
+
+
+def test_invalid_custom_order_in_program_is_an_error():
+    mmesh = stage_mesh(2)
+    bad = S.Custom([[(0, 0, "B"), (0, 0, "F")], [(1, 0, "F"), (1, 0, "B")]])
+    g = mm.microbatch(jax.value_and_grad(mlp(2)), 1, argnums=(1, 2), schedule=bad)
+    x, y = data(4)
+    with pytest.raises(ValueError, match="invalid schedule"):
+        mm.jit(g, mesh=mmesh)(weights(2), x, y)
+
+
+def test_interleaving_errors():
+    mmesh = stage_mesh(2)
+    x, y = data(8)
+    g = mm.microbatch(jax.value_and_grad(mlp(3)), 2, argnums=(1, 2), schedule="interleaved-1f1b")
+    with pytest.raises(ValueError, match="3 pipeline stages on 2 submeshes"):
+        mm.jit(g, mesh=mmesh)(weights(3), x, y)
+    g = mm.microbatch(jax.value_and_grad(mlp(4)), 3, argnums=(1, 2), schedule="interleaved-1f1b")
+    with pytest.raises(ValueError, match="divisible"):
+        mm.jit(g, mesh=mmesh)(weights(4), jnp.ones((6, 8)), jnp.ones((6, 8)))
+    g = mm.microbatch(jax.value_and_grad(mlp(4)), 2, argnums=(1, 2), schedule="1f1b")
+    with pytest.raises(ValueError, match="out of range"):
+        mm.jit(g, mesh=mmesh)(weights(4), x, y)

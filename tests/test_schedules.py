@@ -1,0 +1,69 @@
+"""Schedules as data: closed forms of the simulator, validation, plots."""
+
+import pytest
+
+from multimesh import schedules as S
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,m", [(2, 1), (2, 4), (4, 4), (4, 8), (8, 16)])
+@pytest.mark.parametrize("costs", [(1.0, 1.0), (1.0, 2.0)])
+def test_bubble_closed_form(name, stages, m, costs):
+    tl = S.simulate(name, stages, m, forward_cost=costs[0], backward_cost=costs[1])
+    assert tl.bubble_fraction == pytest.approx((stages - 1) / (m + stages - 1))
+    assert tl.makespan == pytest.approx((m + stages - 1) * sum(costs))
+
+
+@pytest.mark.parametrize("stages,m", [(2, 4), (4, 8), (4, 16)])
+def test_peak_in_flight(stages, m):
+    one = S.simulate("1f1b", stages, m)
+    gpipe = S.simulate("gpipe", stages, m)
+    assert one.peak_in_flight == [min(stages - s, m) for s in range(stages)]
+    assert gpipe.peak_in_flight == [m] * stages
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_interleaving_cuts_bubble_by_about_v(chunks):
+    stages, m = 4, 8
+    base = S.simulate("1f1b", stages, m).bubble_fraction
+    tl = S.simulate(S.Interleaved1F1B(num_chunks=chunks), stages, m)
+    assert tl.bubble_fraction == pytest.approx((stages - 1) / (chunks * m + stages - 1))
+    assert base / tl.bubble_fraction == pytest.approx(chunks, rel=0.25)
+
+
+@pytest.mark.parametrize("stages,m", [(2, 4), (4, 8), (4, 16)])
+def test_zero_bubble_below_1f1b_at_equal_memory(stages, m):
+    one = S.simulate("1f1b", stages, m, 1.0, 2.0)
+    zb = S.simulate("zero-bubble-h1", stages, m, 1.0, 2.0)
+    assert zb.bubble_fraction < one.bubble_fraction
+    assert zb.peak_in_flight == one.peak_in_flight
+
+
+def test_orders_are_data_and_valid():
+    for sched in [S.GPipe(), S.OneFOneB(), S.Interleaved1F1B(num_chunks=2), S.ZeroBubbleH1()]:
+        chunks = sched.chunks(4)
+        order = sched.build(4, 8, chunks)
+        assert len(order) == 4
+        per = (3 if sched.splits_backward else 2) * 8 * chunks
+        assert all(len(row) == per for row in order)
+        S.validate(order, 4, 8, chunks)
+    assert str(S.OneFOneB().build(2, 2)[1][0]) == "F0@s1"
+
+
+def test_named_schedules():
+    assert isinstance(S.get("1f1b"), S.OneFOneB)
+    assert isinstance(S.get("gpipe"), S.GPipe)
+    assert isinstance(S.get("interleaved-1f1b"), S.Interleaved1F1B)
+    assert isinstance(S.get("zero-bubble-h1"), S.ZeroBubbleH1)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        S.get("nope")
+    with pytest.raises(ValueError, match="divisible"):
+        S.Interleaved1F1B(num_chunks=2).build(4, 6, 2)
+
+
+def test_plot_and_trace(tmp_path):
+    tl = S.simulate("zero-bubble-h1", 4, 8)
+    tl.plot(str(tmp_path / "zb.png"))
+    assert (tmp_path / "zb.png").stat().st_size > 1000
+    trace = tl.to_chrome_trace(str(tmp_path / "zb.json"))
+    assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 4 * 8 * 3
