@@ -24,6 +24,7 @@ from multimesh.compiler import fragment as frag_pass
 from multimesh.compiler import inline, label, place
 from multimesh.compiler import plan as plan_pass
 from multimesh.compiler.ir import FlatProgram, Labels
+from multimesh.compiler.rules import Rules
 from multimesh.mesh import MultiMesh, active_multimesh, reset_active, set_active
 from multimesh.runtime.executor import Executable
 from multimesh.runtime.inputs import InputInfo, analyze
@@ -88,7 +89,14 @@ class Lowered:
             reset_active(tok)
         self.jaxpr = closed
         prog: FlatProgram = inline.flatten(closed)
-        labels: Labels = label.label(prog, mmesh)
+        rules = Rules(fn._task_rules) if fn._task_rules is not None else None
+        chunks = (
+            max([1] + [lp.schedule.chunks(mmesh.num_stages, 1 << 20) for lp in state.loops])
+            if mmesh is not None
+            else 1
+        )
+        labels: Labels = label.label(prog, mmesh, rules, chunks)
+        self.scope_stages: dict[str, int] = dict(rules.assigned) if rules is not None else {}
         stage_axis = mmesh.stage_axis if mmesh is not None else None
         self.input_infos: list[InputInfo] = [analyze(x, labels.targets, stage_axis) for x in flat]
         default = (
@@ -104,8 +112,13 @@ class Lowered:
         self._prog, self._labels = prog, labels
 
     def as_text(self) -> str:
-        """A readable listing of the plan: fragments, devices and transfers."""
-        return self.plan.as_text()
+        """A readable listing of the plan: fragments, devices and transfers (and, with
+        ``task_rules``, which scope went to which stage)."""
+        text = self.plan.as_text()
+        if self.scope_stages:
+            rows = [f"  {scope!r} -> stage {st}" for scope, st in sorted(self.scope_stages.items())]
+            text += "\ntask_rules placed scopes:\n" + "\n".join(rows)
+        return text
 
     def compile(self) -> Compiled:
         """Compile every fragment with XLA for its submesh."""
@@ -186,11 +199,9 @@ class MpmdFunction:
                     "mm.MultiMesh(mesh, stage_axis='stage'), or build it with mm.make_mesh."
                 )
             raise TypeError(f"mm.jit(mesh=...) takes a MultiMesh, got {type(mesh).__name__}.")
-        if task_rules:
-            raise NotImplementedError(
-                "task_rules (implicit tasks) are not implemented yet; use mm.task(...) in the "
-                "model code for now."
-            )
+        self._task_rules = task_rules
+        if task_rules is not None:
+            Rules(task_rules)  # validate early
         if out_shardings is not None:
             raise NotImplementedError(
                 "out_shardings is not supported yet: outputs stay on the submesh that "

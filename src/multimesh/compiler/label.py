@@ -35,10 +35,24 @@ def _eqn_task(eqn: Any, memo: dict) -> TaskRef | None:
     return refs[0] if refs else None
 
 
-def label(prog: FlatProgram, mmesh: MultiMesh | None) -> Labels:
-    """Map each equation to its task and target (stage index)."""
+def label(
+    prog: FlatProgram, mmesh: MultiMesh | None, rules: Any = None, virtual_stages: int = 1
+) -> Labels:
+    """Map each equation to its task and target (stage index).
+
+    ``rules`` (a :class:`multimesh.compiler.rules.Rules`) places untagged equations by
+    their named scopes; explicit tasks win.
+    """
     memo: dict = {}
     tasks = [_eqn_task(e, memo) for e in prog.eqns]
+    if rules is not None:
+        if mmesh is None:
+            raise ValueError("task_rules map scopes to stages: pass mesh=mmesh to mm.jit.")
+        limit = mmesh.num_stages * virtual_stages
+        for i, e in enumerate(prog.eqns):
+            if tasks[i] is None:
+                tasks[i] = rules.match(_compat.scope_names(e.source_info.name_stack), limit)
+        rules.warn_unmatched()
     targets: list[Target] = []
     if mmesh is not None:
         for i in range(mmesh.num_stages):

@@ -1,0 +1,96 @@
+"""Implicit tasks: ``task_rules`` map named scopes (``jax.named_scope``, Flax module
+paths such as ``layers_3``) to stages, without touching the model code.
+
+``{regex: stage | callable(re.Match) -> stage}``. For each untagged equation, its scopes
+are tried innermost first, and for each scope the rules in order (``re.search``); the
+first match wins. An explicit ``mm.task`` always overrides a rule. Backward equations
+carry their forward's scopes (under ``transpose``), so they follow.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from multimesh import _compat
+from multimesh.tasks import MARKER, TaskRef
+
+_compat.register_exclusion(__file__)
+
+
+class Rules:
+    """Compiled task rules; remembers which scope went to which stage."""
+
+    def __init__(self, rules: Mapping[str, int | Callable[[re.Match], int]]) -> None:
+        if not isinstance(rules, Mapping):
+            raise TypeError("task_rules must be a dict {regex: stage | callable(match) -> stage}.")
+        self.rules: list[tuple[str, re.Pattern, Any]] = []
+        for pat, target in rules.items():
+            try:
+                rx = re.compile(pat)
+            except re.error as e:
+                raise ValueError(f"task_rules: {pat!r} is not a valid regex ({e}).") from None
+            if not callable(target) and (
+                isinstance(target, bool) or not isinstance(target, (int, np.integer))
+            ):
+                raise TypeError(
+                    f"task_rules[{pat!r}] must be a stage (int) or a callable(match) -> stage, "
+                    f"got {target!r}."
+                )
+            self.rules.append((pat, rx, target))
+        self.used: dict[str, set[str]] = {p: set() for p, _, _ in self.rules}
+        self.assigned: dict[str, int] = {}
+        self._memo: dict[tuple[str, ...], TaskRef | None] = {}
+        self.overlaps: dict[str, list[str]] = {}
+
+    def match(self, scopes: list[str], limit: int) -> TaskRef | None:
+        key = tuple(scopes)
+        if key in self._memo:
+            return self._memo[key]
+        ref = None
+        for scope in reversed(scopes):
+            if MARKER in scope:
+                continue
+            for pat, rx, target in self.rules:
+                m = rx.search(scope)
+                if m is None:
+                    continue
+                stage = target(m) if callable(target) else target
+                if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)):
+                    raise TypeError(
+                        f"task_rules[{pat!r}] returned {stage!r} for scope {scope!r}; it must "
+                        "return a stage (int)."
+                    )
+                stage = int(stage)
+                if not 0 <= stage < limit:
+                    raise ValueError(
+                        f"task_rules[{pat!r}] maps scope {scope!r} to stage {stage}, which is "
+                        f"out of range (valid: 0..{limit - 1})."
+                    )
+                self.used[pat].add(scope)
+                self.assigned[scope] = stage
+                others = [p for p, r, _ in self.rules if p != pat and r.search(scope)]
+                if others:
+                    self.overlaps[scope] = [pat, *others]
+                ref = TaskRef(scope, stage, None)
+                break
+            if ref is not None:
+                break
+        self._memo[key] = ref
+        return ref
+
+    def warn_unmatched(self) -> None:
+        if self.overlaps:
+            rows = "; ".join(f"{sc!r}: {ps} (first wins)" for sc, ps in sorted(self.overlaps.items()))
+            warnings.warn(f"task_rules overlap: several rules match {rows}.", stacklevel=4)
+        unused = [p for p, scopes in self.used.items() if not scopes]
+        if unused:
+            warnings.warn(
+                f"task_rules matched no named scope: {unused}. Check the patterns against "
+                "the scopes in Lowered.as_text() or jax.make_jaxpr(...) name stacks.",
+                stacklevel=4,
+            )

@@ -1,0 +1,122 @@
+"""Implicit tasks: task_rules place an unmodified (Flax Linen) model's layers."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import assert_close, reference, stage_of
+
+import multimesh as mm
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + jnp.tanh(nn.Dense(8)(x))
+
+
+class Model(nn.Module):
+    layers: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8, name="embed")(x)
+        for i in range(self.layers):
+            x = Block(name=f"layers_{i}")(x)
+        return nn.Dense(2, name="logits")(x)
+
+
+RULES = {r"layers_(\d+)": lambda m: int(m[1]) // 2 + 1, r"embed": 0, r"(final_norm|logits)": 3}
+
+
+def setup():
+    model = Model()
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    params = model.init(jax.random.key(0), x)
+
+    def loss(p, x):
+        return (model.apply(p, x) ** 2).mean()
+
+    return model, params, x, loss
+
+
+def test_rules_match_reference_and_place_params(mesh4x2):
+    _, params, x, loss = setup()
+    f = jax.value_and_grad(loss)
+    got = mm.jit(f, mesh=mesh4x2, task_rules=RULES)(params, x)
+    assert_close(got, reference(f, mesh4x2, params, x))
+    g = got[1]["params"]
+    assert stage_of(g["embed"]["kernel"], mesh4x2) == 0
+    assert stage_of(g["layers_0"]["Dense_0"]["kernel"], mesh4x2) == 1
+    assert stage_of(g["layers_3"]["Dense_0"]["kernel"], mesh4x2) == 2
+    assert stage_of(g["logits"]["kernel"], mesh4x2) == 3
+    text = mm.jit(f, mesh=mesh4x2, task_rules=RULES).lower(params, x).as_text()
+    assert "'layers_2' -> stage 2" in text and "'embed' -> stage 0" in text
+
+
+def test_rules_equal_explicit_tasks(mesh4x2):
+    model, params, x, _ = setup()
+
+    def explicit(p, x):
+        pp = p["params"]
+        with mm.task("embed", stage=0):
+            h = nn.Dense(8).apply({"params": pp["embed"]}, x)
+        for i in range(4):
+            with mm.task(f"layers_{i}", stage=i // 2 + 1):
+                h = Block().apply({"params": pp[f"layers_{i}"]}, h)
+        with mm.task("logits", stage=3):
+            y = nn.Dense(2).apply({"params": pp["logits"]}, h)
+        return (y**2).mean()
+
+    def implicit(p, x):
+        return (model.apply(p, x) ** 2).mean()
+
+    a = mm.jit(jax.value_and_grad(implicit), mesh=mesh4x2, task_rules=RULES)
+    b = mm.jit(jax.value_and_grad(explicit), mesh=mesh4x2)
+    pa, pb = a.lower(params, x).plan, b.lower(params, x).plan
+    assert [(f.stage, f.devices) for f in pa.fragments] == [
+        (f.stage, f.devices) for f in pb.fragments
+    ]
+    assert [(t.src_stage, t.dst_stage, t.nbytes) for t in pa.transfers] == [
+        (t.src_stage, t.dst_stage, t.nbytes) for t in pb.transfers
+    ]
+    assert_close(a(params, x), b(params, x))
+
+
+def test_explicit_task_overrides_rule(mesh4x2):
+    def f(x):
+        with jax.named_scope("layers_0"):
+            a = x * 2  # rule: stage 1
+            with mm.task("pinned", stage=3):
+                b = a + 1
+        return a, b
+
+    a, b = mm.jit(f, mesh=mesh4x2, task_rules={r"layers_0": 1})(jnp.ones(4))
+    assert stage_of(a, mesh4x2) == 1 and stage_of(b, mesh4x2) == 3
+
+
+def test_unmatched_and_overlapping_rules_warn(mesh4x2):
+    _, params, x, loss = setup()
+    rules = {**RULES, r"decoder_\d+": 1, r"layers_1": 2}
+    with pytest.warns(UserWarning) as rec:
+        mm.jit(loss, mesh=mesh4x2, task_rules=rules).lower(params, x)
+    msgs = " ".join(str(w.message) for w in rec)
+    assert "matched no named scope" in msgs and "decoder_" in msgs
+    assert "overlap" in msgs and "layers_1" in msgs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mm.jit(loss, mesh=mesh4x2, task_rules=RULES).lower(params, x)
+
+
+def test_rule_errors(mesh4x2):
+    _, params, x, loss = setup()
+    with pytest.raises(
+        ValueError, match=r"task_rules\['embed'\] maps scope 'embed' to stage 7.*out of range"
+    ):
+        mm.jit(loss, mesh=mesh4x2, task_rules={"embed": 7}).lower(params, x)
+    with pytest.raises(TypeError, match="must be a stage"):
+        mm.jit(loss, mesh=mesh4x2, task_rules={"embed": "0"})
+    with pytest.raises(ValueError, match="not a valid regex"):
+        mm.jit(loss, mesh=mesh4x2, task_rules={"(": 0})
