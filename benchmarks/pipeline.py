@@ -4,9 +4,8 @@ A residual MLP (``h = h + tanh(h @ w)`` per layer, two layers per device) is tra
 plain SGD (``params - lr * grads`` returned as the new params and fed back in every
 step) on S in {2, 4} devices, one device (submesh) per pipeline stage, with M = 8
 microbatches of 8 rows, under each schedule: ``gpipe``, ``1f1b``, ``interleaved-1f1b``
-and ``zero-bubble-h1``. The loss is ``mm.microbatch(jax.value_and_grad(loss), M,
-argnums=(1, 2), schedule=..., reduce="mean")`` (gradient accumulation over the
-microbatches).
+and ``zero-bubble-h1``. The gradient is ``mm.microbatch(jax.value_and_grad(loss), M,
+argnums=(1, 2), schedule=..., reduce="mean")`` (gradient accumulation over microbatches).
 
 Every schedule trains the same 2S-layer model: S task stages of two layers each, or for
 ``interleaved-1f1b`` 2S task stages of one layer each (stage ``i`` on device ``i % S``).
@@ -14,19 +13,21 @@ Every schedule trains the same 2S-layer model: S task stages of two layers each,
 Two widths:
 
 * 256: small per-op work, where XLA:CPU runs each op on one thread, so two devices can
-  compute at once on two cores; the pipeline should overlap stages.
-* 1024: each op is big enough for XLA:CPU to spread over all cores by itself (and the
-  8-row matmuls are memory-bound), so running stages concurrently gains nothing.
+  compute at once on two cores; the pipeline can overlap stages.
+* 1024: each op is big enough for XLA:CPU to spread over the cores by itself (and the
+  8-row matmuls are memory-bound), so running stages concurrently gains little.
 
-For each configuration the benchmark reports the steady-state step time of the
-``mm.jit`` step and of the same step under ``jax.jit`` on ONE device (where
-``mm.microbatch`` is a ``lax.scan`` over the microbatches), ``speedup = t_jax / t_mm``,
-and the schedule simulator's ideal makespan from measured per-microbatch costs of one
-stage (a jitted forward of the stage's layers on one microbatch, and its backward from
-saved residuals; for zero-bubble also its input- and weight-gradient halves):
-``ideal = mm.schedules.simulate(schedule, S, M, forward_cost=tf, backward_cost=tb)``,
-``efficiency = ideal / t_mm``. The measured timeline of one step (``.record``) gives the
-bubble fraction actually seen on the devices.
+For each configuration: the steady-state step time of the ``mm.jit`` step (blocking on
+its results every step) and the time for its call to return (host dispatch); the same
+step under ``jax.jit`` on ONE device (where ``mm.microbatch`` is a ``lax.scan`` over the
+microbatches) and ``speedup = t_jax / t_mm``; the schedule simulator's ideal makespan
+from measured per-microbatch costs of one task stage (its jitted forward, and its
+backward from saved residuals with the gradient accumulation; for zero-bubble also the
+input- and weight-gradient halves), ``ideal = mm.schedules.simulate(schedule, S, M,
+forward_cost=tf, backward_cost=tb)``, ``efficiency = ideal / t_mm``, and the same with
+the measured cross-device copy latency as ``comm_cost``; and the bubble fraction of
+measured timelines (``mm.jit(...).record``). An overlap check shows how much two devices
+gain by running independent work at once, for each width.
 
 Results go to ``benchmarks/results/pipeline-<python>.json`` (``-quick`` added with
 ``--quick``).
@@ -62,7 +63,7 @@ from typing import Any  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
 import multimesh as mm  # noqa: E402
 
@@ -70,6 +71,8 @@ LR = 0.01
 M = 8  # microbatches
 MB_ROWS = 8  # rows per microbatch
 LAYERS_PER_DEVICE = 2
+WIDTHS = (256, 1024)
+STAGES = (2, 4)
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -140,8 +143,7 @@ def init(cfg: Config, seed: int = 0) -> tuple[list[list[np.ndarray]], np.ndarray
     k = cfg.layers_per_task
     params = [layers[i : i + k] for i in range(0, n_layers, k)]
     x = rng.standard_normal((M * MB_ROWS, cfg.width)).astype(np.float32)
-    y = np.sin(x)
-    return params, x, y
+    return params, x, np.sin(x)
 
 
 # --- timing ------------------------------------------------------------------------------
@@ -152,7 +154,7 @@ def med_us(v: list[float]) -> float:
 
 
 def time_calls(fn: Callable[[], Any], n: int, repeats: int) -> list[float]:
-    """Per repeat, the median of n blocking calls (seconds)."""
+    """Per repeat, the median of n blocking calls (s): latency, dispatch included."""
     out = []
     for _ in range(repeats):
         ts = []
@@ -164,13 +166,32 @@ def time_calls(fn: Callable[[], Any], n: int, repeats: int) -> list[float]:
     return out
 
 
+def time_chain(fn: Callable[[Any], Any], state: Any, n: int, repeats: int) -> list[float]:
+    """Per repeat, seconds per call of n dependent calls ``state = fn(state)`` with one
+    block at the end: device time per call when dispatch runs ahead, as in a pipeline."""
+    out = []
+    for _ in range(repeats):
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        s = state
+        for _ in range(n):
+            s = fn(s)
+        jax.block_until_ready(s)
+        out.append((time.perf_counter() - t0) / n)
+    return out
+
+
 def stage_costs(width: int, layers: int, n: int, repeats: int) -> dict[str, float]:
     """Per-microbatch cost (us) of one task stage of ``layers`` layers on one device.
 
-    f: the jitted forward; b: the backward from saved residuals (``jax.vjp``'s function,
-    passed as a pytree into a jitted call, so the forward is not recomputed); bx / bw: the
-    input-gradient and weight-gradient halves on their own (zero-bubble splits them);
-    copy: moving one microbatch's activation to another device.
+    f: the jitted forward. b: the backward from saved residuals (``jax.vjp``'s function
+    passed as a pytree into a jitted call, so the forward is not recomputed) plus adding
+    the weight gradients into an accumulator, as a pipelined backward does for each
+    microbatch. bx / bw: its input-gradient and (accumulated) weight-gradient halves on
+    their own (zero-bubble splits them). Each is timed as a chain of dependent calls with
+    one block at the end (device time per call); ``*_blocking``: one blocking call at a
+    time (adds dispatch and wake-up latency). copy: a blocking move of one microbatch's
+    activation to another device.
     """
     d0, d1 = jax.devices()[:2]
     rng = np.random.default_rng(1)
@@ -179,51 +200,109 @@ def stage_costs(width: int, layers: int, n: int, repeats: int) -> dict[str, floa
         for _ in range(layers)
     ]
     h = jax.device_put(rng.standard_normal((MB_ROWS, width)).astype("f4"), d0)
+    acc = [jnp.zeros_like(w) for w in ws]
     fwd = jax.jit(block)
     out = fwd(ws, h)
     _, vjp_all = jax.vjp(block, ws, h)
     _, vjp_x = jax.vjp(lambda h_: block(ws, h_), h)
     _, vjp_w = jax.vjp(lambda ws_: block(ws_, h), ws)
-    apply = jax.jit(lambda f, ct: f(ct))
-    sh1 = jax.sharding.SingleDeviceSharding(d1)
-    cases = {
-        "f": lambda: fwd(ws, h),
-        "b": lambda: apply(vjp_all, out),
-        "bx": lambda: apply(vjp_x, out),
-        "bw": lambda: apply(vjp_w, out),
-        "copy": lambda: jax.device_put(out, sh1),
+
+    @jax.jit
+    def bwd(f: Any, ct: Any, acc: Any) -> Any:
+        dws, dx = f(ct)
+        return dx, [a + g for a, g in zip(acc, dws, strict=True)]
+
+    @jax.jit
+    def bwd_x(f: Any, ct: Any) -> Any:
+        (dx,) = f(ct)
+        return dx
+
+    @jax.jit
+    def bwd_w(f: Any, ct: Any, acc: Any) -> Any:
+        (dws,) = f(ct)
+        return [a + g for a, g in zip(acc, dws, strict=True)]
+
+    # per phase: (one call, as a step of a dependency chain; the chain's first state)
+    chains: dict[str, tuple[Callable[[Any], Any], Any]] = {
+        "f": (lambda h_: fwd(ws, h_), h),
+        "b": (lambda s: bwd(vjp_all, s[0], s[1]), (out, acc)),
+        "bx": (lambda c: bwd_x(vjp_x, c), out),
+        "bw": (lambda a: bwd_w(vjp_w, out, a), acc),
     }
-    for fn in cases.values():
+    res: dict[str, float] = {}
+    for k, (fn, st) in chains.items():
         for _ in range(3):
-            jax.block_until_ready(fn())
-    return {k: med_us(time_calls(fn, n, repeats)) for k, fn in cases.items()}
+            jax.block_until_ready(fn(st))
+        res[k] = med_us(time_chain(fn, st, n, repeats))
+        res[f"{k}_blocking"] = med_us(time_calls(lambda fn=fn, st=st: fn(st), n, repeats))
+    sh1 = jax.sharding.SingleDeviceSharding(d1)
+    jax.block_until_ready(jax.device_put(out, sh1))
+    res["copy"] = med_us(time_calls(lambda: jax.device_put(out, sh1), n, repeats))
+    return res
 
 
-def run_steps(fn: Callable, state: Any, x: Any, y: Any, steps: int) -> tuple[Any, float]:
-    """``steps`` blocking training steps; (params, median step time in s)."""
+def overlap_check(width: int, n: int, repeats: int) -> dict[str, float]:
+    """Do two devices compute at once? Per iteration, one stage forward (two layers) on
+    device 0, against one on each of devices 0 and 1 (independent chains, dispatched
+    alternately, one block at the end). ``gain`` = 2 * t_one / t_two: 2.0 is perfect
+    overlap, 1.0 none."""
+    devs = jax.devices()[:2]
+    rng = np.random.default_rng(2)
+    fwd = jax.jit(block)
+    ws = [
+        [
+            jax.device_put((rng.standard_normal((width, width)) / np.sqrt(width)).astype("f4"), d)
+            for _ in range(LAYERS_PER_DEVICE)
+        ]
+        for d in devs
+    ]
+    hs = [jax.device_put(rng.standard_normal((MB_ROWS, width)).astype("f4"), d) for d in devs]
+
+    def run(k: int) -> Callable[[Any], Any]:
+        def one(state: Any) -> Any:
+            return [fwd(ws[i], state[i]) for i in range(k)]
+
+        return one
+
+    for k in (1, 2):
+        jax.block_until_ready(run(k)(hs))
+    t1 = statistics.median(time_chain(run(1), hs[:1], n, repeats))
+    t2 = statistics.median(time_chain(run(2), hs, n, repeats))
+    return {
+        "one_device_us": round(t1 * 1e6, 2),
+        "two_devices_us": round(t2 * 1e6, 2),
+        "gain": round(2 * t1 / t2, 3),
+    }
+
+
+def run_steps(fn: Callable, state: Any, x: Any, y: Any, steps: int) -> tuple[Any, float, float]:
+    """``steps`` blocking training steps: (params, median step time, median time for the
+    call to return, i.e. the host dispatch of the step), in s."""
     gc.collect()
-    ts = []
+    total, issue = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         state, val = fn(state, x, y)
+        t1 = time.perf_counter()
         jax.block_until_ready((state, val))
-        ts.append(time.perf_counter() - t0)
-    return state, statistics.median(ts)
+        total.append(time.perf_counter() - t0)
+        issue.append(t1 - t0)
+    return state, statistics.median(total), statistics.median(issue)
 
 
 def timeline_summary(tl: Any) -> dict[str, Any]:
-    phases: dict[str, list[float]] = {}
-    for row in tl.events:
-        for e in row:
-            key = e.action.phase if e.action.microbatch >= 0 else "other"
-            phases.setdefault(key, []).append(e.end - e.start)
+    """A measured timeline in numbers (times in us)."""
+    other = [
+        sum(e.end - e.start for e in row if e.action.microbatch < 0) for row in tl.events
+    ]  # fragments outside the microbatches: slicing the batch, the update, ...
     return {
         "makespan_us": round(tl.makespan, 1),
         "bubble_fraction": round(tl.bubble_fraction, 4),
         "busy_us": [round(b, 1) for b in tl.busy],
+        "busy_outside_microbatches_us": [round(b, 1) for b in other],
         "events": sum(len(r) for r in tl.events),
-        "mean_event_us": {k: round(statistics.mean(v), 1) for k, v in sorted(phases.items())},
         "peak_in_flight": list(tl.peak_in_flight),
+        "peak_live_bytes": list(tl.peak_live_bytes),
     }
 
 
@@ -238,19 +317,22 @@ def bench_config(
     step = make_step(cfg)
     host_params, host_x, host_y = init(cfg)
 
-    # mm.jit: x lives on the first stage and y on the last (where they are used); params
-    # are wherever the previous step left them, so the steady state moves no input.
+    # mm.jit: x lives on the first stage and y on the last (where they are used), each
+    # task's params on its stage's device (where the update leaves them), so no step
+    # moves an input.
     mm_step = mm.jit(step, mesh=mmesh)
-    x_mm = jax.device_put(host_x, NamedSharding(mmesh.submesh(0), PartitionSpec()))
-    y_mm = jax.device_put(host_y, NamedSharding(mmesh.submesh(S - 1), PartitionSpec()))
+    devs = jax.devices()[:S]
+    x_mm, y_mm = jax.device_put(host_x, devs[0]), jax.device_put(host_y, devs[S - 1])
+    p_mm = [jax.device_put(ws, devs[i % S]) for i, ws in enumerate(host_params)]
     t0 = time.perf_counter()
-    p_mm, v_mm = mm_step(host_params, x_mm, y_mm)
+    p_mm, v_mm = mm_step(p_mm, x_mm, y_mm)
     jax.block_until_ready((p_mm, v_mm))
     mm_first = time.perf_counter() - t0
 
     # jax.jit on one device. Tasks with stage= need an active MultiMesh while tracing;
     # `with mmesh:` also makes the global (S-device) mesh the JAX mesh, which rejects
     # inputs committed to one device, so a one-device JAX mesh is entered inside it.
+    # jax.jit keys its cache on the mesh context, so every jax.jit call runs inside it.
     dev0 = jax.devices()[0]
     one = Mesh(np.array([dev0]), ("stage",), axis_types=(jax.sharding.AxisType.Auto,))
 
@@ -270,10 +352,6 @@ def bench_config(
     leaves_j = [np.asarray(a) for a in jax.tree.leaves((v_j, p_j))]
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(leaves_mm, leaves_j, strict=True))
 
-    compiled = mm_step.lower(p_mm, x_mm, y_mm).compile()
-    plan = compiled.plan
-    puts = [p for p in plan.inputs if p.mode == "put"]
-
     for _ in range(warmup):
         p_mm, _v = mm_step(p_mm, x_mm, y_mm)
         with on_one_device():
@@ -281,42 +359,59 @@ def bench_config(
     jax.block_until_ready((p_mm, p_j))
     mm_cache = len(mm_step._cache)  # noqa: SLF001  (a retrace per step would show here)
     jax_cache = jax_step._cache_size()  # noqa: SLF001
+    if mm_cache != 1:
+        print(f"  note: {cfg.name}: mm.jit traced {mm_cache} signatures", file=sys.stderr)
+    compiled = list(mm_step._cache.values())[-1]  # noqa: SLF001  (the steady-state one)
+    plan = compiled.plan
 
     t_mm: list[float] = []
+    i_mm: list[float] = []
     t_j: list[float] = []
     for r in range(repeats):  # alternate the order so drift and load favour neither side
-        for which in (("mm", "jax") if r % 2 == 0 else ("jax", "mm")):
+        for which in ("mm", "jax") if r % 2 == 0 else ("jax", "mm"):
             if which == "mm":
-                p_mm, t = run_steps(mm_step, p_mm, x_mm, y_mm, steps)
+                p_mm, t, iss = run_steps(mm_step, p_mm, x_mm, y_mm, steps)
                 t_mm.append(t)
+                i_mm.append(iss)
             else:
                 with on_one_device():
-                    p_j, t = run_steps(jax_step, p_j, x_j, y_j, steps)
+                    p_j, t, _ = run_steps(jax_step, p_j, x_j, y_j, steps)
                 t_j.append(t)
     if len(mm_step._cache) != mm_cache:  # noqa: SLF001
         print(f"  warning: {cfg.name}: mm.jit retraced during timing", file=sys.stderr)
     if jax_step._cache_size() != jax_cache:  # noqa: SLF001
         print(f"  warning: {cfg.name}: jax.jit retraced during timing", file=sys.stderr)
 
-    # Measured timelines (record adds a waiter thread per submesh): the median by makespan.
+    # Measured timelines (record runs a waiter thread per submesh and counts live
+    # buffers after every plan step, so it is slower than a plain step): the median one.
     tls = []
     for _ in range(records):
-        p_mm, tl = mm_step.record(p_mm, x_mm, y_mm)
+        (p_mm, _v), tl = mm_step.record(p_mm, x_mm, y_mm)
         jax.block_until_ready(p_mm)
         tls.append(tl)
     tls.sort(key=lambda t: t.makespan)
     measured = timeline_summary(tls[len(tls) // 2])
 
-    # The simulator's ideal from one stage's measured per-microbatch costs. forward_cost
-    # and backward_cost are per device (the simulator divides them among its chunks).
+    # The simulator's ideal from one task stage's measured per-microbatch costs.
+    # forward_cost / backward_cost are per device: the simulator divides them among the
+    # device's chunks (interleaving: two one-layer task stages per device).
     c = cfg.chunks
     tf, tb = c * costs["f"], c * costs["b"]
     sim = mm.schedules.simulate(cfg.schedule, S, M, forward_cost=tf, backward_cost=tb)
     sim_comm = mm.schedules.simulate(
         cfg.schedule, S, M, forward_cost=tf, backward_cost=tb, comm_cost=costs["copy"]
     )
+    sim_blocking = mm.schedules.simulate(
+        cfg.schedule,
+        S,
+        M,
+        forward_cost=c * costs["f_blocking"],
+        backward_cost=c * costs["b_blocking"],
+        comm_cost=costs["copy"],
+    )
     extra: dict[str, Any] = {}
     if mm.schedules.get(cfg.schedule).splits_backward:
+        # B and W at their own measured costs (the default splits tb in halves)
         split = mm.schedules.simulate(
             cfg.schedule,
             S,
@@ -325,10 +420,14 @@ def bench_config(
             backward_cost=c * costs["bx"],
             weight_cost=c * costs["bw"],
         )
-        extra["ideal_split_us"] = round(split.makespan, 1)
-        extra["sim_split_bubble"] = round(split.bubble_fraction, 4)
+        extra["ideal_measured_split_us"] = round(split.makespan, 1)
+        extra["sim_measured_split_bubble"] = round(split.bubble_fraction, 4)
 
     mm_us, jax_us = med_us(t_mm), med_us(t_j)
+    serial = S * M * (tf + tb)
+    # the simulator gives every submesh its own processor; here S devices share the cores
+    bound = max(sim_comm.makespan, serial / min(S, os.cpu_count() or 1))
+    per_device = [sum(f.stage == s for f in plan.fragments) for s in range(S)]
     return {
         **dataclasses.asdict(cfg),
         "name": cfg.name,
@@ -340,24 +439,32 @@ def bench_config(
         "timed_steps": steps,
         "repeats": repeats,
         "fragments": len(plan.fragments),
+        "fragments_per_device": per_device,
         "executables": compiled.num_executables,
         "transfers": len(plan.transfers),
         "transfer_bytes": sum(t.nbytes for t in plan.transfers),
-        "host_puts": len(puts),
+        "input_modes": sorted({p.mode for p in plan.inputs}),
+        "mm_signatures_traced": mm_cache,
         "first_call_s": {"mm": round(mm_first, 3), "jax": round(jax_first, 3)},
         "max_abs_diff_first_step": diff,
         "mm_step_us": mm_us,
+        "mm_issue_us": med_us(i_mm),
         "jax_step_us": jax_us,
         "mm_step_us_per_repeat": [round(t * 1e6, 2) for t in t_mm],
         "jax_step_us_per_repeat": [round(t * 1e6, 2) for t in t_j],
         "speedup": round(jax_us / mm_us, 3),
-        "stage_costs_us": {"f": tf, "b": tb},
-        "serial_us": round(S * M * (tf + tb), 1),
+        "forward_cost_us": tf,
+        "backward_cost_us": tb,
+        "serial_us": round(serial, 1),
         "ideal_us": round(sim.makespan, 1),
         "sim_bubble": round(sim.bubble_fraction, 4),
-        "ideal_comm_us": round(sim_comm.makespan, 1),
-        **extra,
         "efficiency": round(sim.makespan / mm_us, 3),
+        "ideal_comm_us": round(sim_comm.makespan, 1),
+        "efficiency_comm": round(sim_comm.makespan / mm_us, 3),
+        "ideal_blocking_costs_comm_us": round(sim_blocking.makespan, 1),
+        "cores_bound_us": round(bound, 1),
+        "efficiency_cores_bound": round(bound / mm_us, 3),
+        **extra,
         "measured_timeline": measured,
     }
 
@@ -365,42 +472,51 @@ def bench_config(
 # --- report ------------------------------------------------------------------------------
 
 
-def print_costs(costs: dict[tuple[int, int], dict[str, float]]) -> None:
-    print("per-microbatch cost of one task stage on one device (us, blocking calls):")
-    print(f"  {'width':>6}{'layers':>7}{'fwd':>9}{'bwd':>9}{'bwd-x':>9}{'bwd-w':>9}{'copy':>9}")
+def print_costs(costs: dict[tuple[int, int], dict[str, float]], overlap: dict[int, Any]) -> None:
+    print("per-microbatch cost of one task stage on one device, us (chained calls; blocking")
+    print("calls in parentheses); copy = blocking move of one activation to another device:")
+    print(f"  {'width':>5}{'layers':>7}{'fwd':>15}{'bwd':>15}{'bwd-x':>15}{'bwd-w':>15}{'copy':>7}")
     for (w, n), c in sorted(costs.items()):
+        cols = "".join(f"{c[k]:>7.0f} ({c[k + '_blocking']:>5.0f})" for k in ("f", "b", "bx", "bw"))
+        print(f"  {w:>5}{n:>7}{cols}{c['copy']:>7.0f}")
+    print()
+    print("overlap check: a 2-layer stage forward per iteration on one device vs on two")
+    print("devices at once (2.0 = perfect overlap):")
+    for w, o in overlap.items():
         print(
-            f"  {w:>6}{n:>7}{c['f']:>9.1f}{c['b']:>9.1f}{c['bx']:>9.1f}{c['bw']:>9.1f}"
-            f"{c['copy']:>9.1f}"
+            f"  width {w:>5}: one {o['one_device_us']:>8.1f} us, two {o['two_devices_us']:>8.1f}"
+            f" us, gain {o['gain']:.2f}"
         )
     print()
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
     hdr = (
-        f"{'S':>2}{'width':>6} {'schedule':<17}{'frag':>5}{'mm ms':>9}{'jax ms':>9}"
-        f"{'speedup':>8}{'serial':>8}{'ideal':>8}{'eff':>6}{'sim bub':>8}{'rec ms':>8}"
-        f"{'rec bub':>8}{'F us':>7}{'B us':>7}"
+        f"{'S':>2}{'width':>6} {'schedule':<17}{'frag':>5}{'mm ms':>8}{'issue':>7}"
+        f"{'jax ms':>8}{'speedup':>8}{'serial':>8}{'ideal':>7}{'eff':>6}{'+comm':>7}"
+        f"{'bound':>7}{'eff':>6}{'sim bub':>8}{'rec ms':>8}{'rec bub':>8}"
     )
     print(hdr)
     print("-" * len(hdr))
     for r in results:
         m = r["measured_timeline"]
-        ev = m["mean_event_us"]
         print(
             f"{r['stages']:>2}{r['width']:>6} {r['schedule']:<17}{r['fragments']:>5}"
-            f"{r['mm_step_us'] / 1e3:>9.2f}{r['jax_step_us'] / 1e3:>9.2f}{r['speedup']:>8.2f}"
-            f"{r['serial_us'] / 1e3:>8.2f}{r['ideal_us'] / 1e3:>8.2f}{r['efficiency']:>6.2f}"
-            f"{r['sim_bubble']:>8.2f}{m['makespan_us'] / 1e3:>8.2f}{m['bubble_fraction']:>8.2f}"
-            f"{ev.get('F', float('nan')):>7.0f}{ev.get('B', float('nan')):>7.0f}"
+            f"{r['mm_step_us'] / 1e3:>8.2f}{r['mm_issue_us'] / 1e3:>7.2f}"
+            f"{r['jax_step_us'] / 1e3:>8.2f}{r['speedup']:>8.2f}{r['serial_us'] / 1e3:>8.2f}"
+            f"{r['ideal_us'] / 1e3:>7.2f}{r['efficiency']:>6.2f}{r['ideal_comm_us'] / 1e3:>7.2f}"
+            f"{r['cores_bound_us'] / 1e3:>7.2f}{r['efficiency_cores_bound']:>6.2f}"
+            f"{r['sim_bubble']:>8.2f}{m['makespan_us'] / 1e3:>8.2f}"
+            f"{m['bubble_fraction']:>8.2f}"
         )
     print()
-    print("columns: mm / jax = median steady-state step time (blocking) of mm.jit on S devices")
-    print("  and of jax.jit on one device; speedup = jax / mm; serial = S*M*(tf+tb) from the")
-    print("  isolated stage costs; ideal = simulated makespan from those costs (no transfer")
-    print("  cost); eff = ideal / mm; sim bub = simulated bubble fraction; rec = one recorded")
-    print("  step (.record): makespan, bubble fraction, mean fragment time of F and B (for")
-    print("  zero-bubble B is the input-gradient half) in us.")
+    print("columns (ms): mm = median steady-state step of mm.jit on S devices (blocking);")
+    print("  issue = time for its call to return (host dispatch); jax = jax.jit on one device;")
+    print("  speedup = jax / mm; serial = S*M*(tf+tb) from the chained stage costs; ideal =")
+    print("  simulated makespan from those costs, eff = ideal / mm; +comm = the same with the")
+    print("  copy latency per cross-device dependency; bound = max(+comm, serial / min(S,")
+    print("  cores)) (S devices share the cores), eff = bound / mm; sim bub = simulated bubble")
+    print("  fraction; rec = the median of recorded steps (.record): makespan, bubble fraction.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,18 +532,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="measurement repeats")
     args = ap.parse_args(argv)
 
-    warmup = 2 if args.quick else 5
-    steps = args.steps or (5 if args.quick else 20)
-    repeats = args.repeats or (1 if args.quick else 5)
+    warmup = 1 if args.quick else 5
     records = 1 if args.quick else 5
-    widths = (256, 1024)
-    configs = [Config(s, w, sch) for w in widths for s in (2, 4) for sch in SCHEDULES]
+    # (timed steps, repeats) per width: a width-1024 step takes ~0.1-0.3 s here.
+    plan = {256: (3, 1), 1024: (3, 1)} if args.quick else {256: (30, 5), 1024: (20, 3)}
+    if args.steps or args.repeats:
+        plan = {w: (args.steps or n, args.repeats or r) for w, (n, r) in plan.items()}
+    cost_calls, cost_repeats = (20, 1) if args.quick else (100, 5)
+    configs = [Config(s, w, sch) for w in WIDTHS for s in STAGES for sch in SCHEDULES]
     pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
     print(
         f"MultiMesh pipeline benchmark: python {pyver}, jax {jax.__version__}, "
         f"{jax.device_count()} {jax.devices()[0].platform} devices, {os.cpu_count()} cores; "
-        f"M={M} microbatches of {MB_ROWS} rows; warmup {warmup}, {steps} steps x {repeats} "
-        f"repeats{' (quick)' if args.quick else ''}"
+        f"M={M} microbatches of {MB_ROWS} rows, {LAYERS_PER_DEVICE} layers per device; "
+        f"warmup {warmup}, (steps, repeats) per width {plan}{' (quick)' if args.quick else ''}"
     )
     print()
     t_start = time.perf_counter()
@@ -435,19 +553,18 @@ def main(argv: list[str] | None = None) -> int:
     if load_start[0] > 0.5 * (os.cpu_count() or 1):
         print(f"note: load average {load_start[0]:.2f} at start; timings may be noisy\n")
 
+    layer_counts = sorted({LAYERS_PER_DEVICE, LAYERS_PER_DEVICE // 2})
     costs = {
-        (w, n): stage_costs(w, n, 20 if args.quick else 100, 1 if args.quick else 5)
-        for w in widths
-        for n in sorted({LAYERS_PER_DEVICE, LAYERS_PER_DEVICE // 2})
+        (w, n): stage_costs(w, n, cost_calls, cost_repeats) for w in WIDTHS for n in layer_counts
     }
-    print_costs(costs)
+    overlap = {w: overlap_check(w, cost_calls, cost_repeats) for w in WIDTHS}
+    print_costs(costs, overlap)
     results = []
     for cfg in configs:
         print(f"  {cfg.name} ...", file=sys.stderr, flush=True)
-        r = bench_config(
-            cfg, costs[cfg.width, cfg.layers_per_task], warmup, steps, repeats, records
-        )
-        results.append(r)
+        steps, repeats = plan[cfg.width]
+        cost = costs[cfg.width, cfg.layers_per_task]
+        results.append(bench_config(cfg, cost, warmup, steps, repeats, records))
     print_table(results)
     load_end = os.getloadavg()
     out = {
@@ -462,8 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "quick": args.quick,
         "warmup": warmup,
-        "steps": steps,
-        "repeats": repeats,
+        "steps_repeats_per_width": {str(w): list(v) for w, v in plan.items()},
         "records": records,
         "microbatches": M,
         "microbatch_rows": MB_ROWS,
@@ -472,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_start": [round(v, 2) for v in load_start],
         "loadavg_end": [round(v, 2) for v in load_end],
         "stage_costs_us": {f"w{w}-l{n}": c for (w, n), c in sorted(costs.items())},
+        "overlap_check": {str(w): o for w, o in overlap.items()},
         "configs": results,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }

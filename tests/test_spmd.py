@@ -59,8 +59,10 @@ def test_shard_map_inside_task(mesh222):
                 out_specs=P("data"),
             )(h)
         with mm.task("b", stage=1):
+            # the global mesh, over non-stage axes
             h = jax.shard_map(
                 lambda a: a * (1.0 + jax.lax.axis_index("data").astype(a.dtype)),
+                mesh=mesh222.mesh,
                 in_specs=P("data"),
                 out_specs=P("data"),
             )(h)

@@ -69,14 +69,7 @@ def empty_abstract_mesh() -> jax.sharding.AbstractMesh:
 @contextlib.contextmanager
 def no_mesh_context() -> Iterator[None]:
     """Clear any concrete and abstract mesh context while MultiMesh traces a program."""
-    if hasattr(_mesh_lib, "device_context"):  # jax >= 0.11
-        dev_cfg, abs_cfg = _mesh_lib.device_context, _mesh_lib.abstract_mesh_context_manager
-        empty_dev = _mesh_lib.empty_concrete_mesh
-    else:
-        from jax._src import config as _cfg
-
-        dev_cfg, abs_cfg = _cfg.device_context, _cfg.abstract_mesh_context_manager
-        empty_dev = None
+    dev_cfg, abs_cfg, empty_dev = _mesh_configs()
     prev_dev = dev_cfg.swap_local(empty_dev)
     prev_abs = abs_cfg.swap_local(_mesh_lib.empty_abstract_mesh)
     try:
@@ -86,8 +79,29 @@ def no_mesh_context() -> Iterator[None]:
         dev_cfg.set_local(prev_dev)
 
 
-def use_abstract_mesh(mesh: jax.sharding.AbstractMesh) -> Any:
-    return jax.sharding.use_abstract_mesh(mesh)
+def _mesh_configs() -> tuple[Any, Any, Any]:
+    if hasattr(_mesh_lib, "device_context"):  # jax >= 0.11
+        return (
+            _mesh_lib.device_context,
+            _mesh_lib.abstract_mesh_context_manager,
+            _mesh_lib.empty_concrete_mesh,
+        )
+    from jax._src import config as _cfg
+
+    return _cfg.device_context, _cfg.abstract_mesh_context_manager, None
+
+
+@contextlib.contextmanager
+def use_abstract_mesh(mesh: jax.sharding.AbstractMesh) -> Iterator[None]:
+    """Set the abstract mesh while tracing, even if its size differs from the current
+    one (``jax.sharding.use_abstract_mesh`` refuses that; MultiMesh traces tasks for
+    submeshes of different sizes inside one program and lowers each part separately)."""
+    _, abs_cfg, _ = _mesh_configs()
+    prev = abs_cfg.swap_local(mesh)
+    try:
+        yield
+    finally:
+        abs_cfg.set_local(prev)
 
 
 def set_mesh(mesh: jax.sharding.Mesh) -> Any:
@@ -133,3 +147,50 @@ def make_jaxpr_obj(
 def single_device_arrays(x: jax.Array) -> list[jax.Array]:
     """The per-device pieces of an array, in its sharding's device order."""
     return [s.data for s in x.addressable_shards]
+
+
+def eqn_context_mesh(eqn: Any) -> Any:
+    """The abstract mesh an equation was traced under (``eqn.ctx``), or ``None``."""
+    ctx = getattr(eqn, "ctx", None)
+    return getattr(ctx, "cur_abstract_mesh", None)
+
+
+# JaxprEqnContext._create's parameters, by JAX version (it is a C interner: no signature)
+_CTX_FIELDS_010 = [
+    "compute_type",
+    "threefry_partitionable",
+    "cur_abstract_mesh",
+    "remove_size_one_mesh_axis",
+    "xla_metadata",
+]
+_CTX_FIELDS_012 = [
+    "compute_type",
+    "threefry_partitionable",
+    "cur_abstract_mesh",
+    "cur_layout_mode",
+    "remove_size_one_mesh_axis",
+    "no_collectives",
+    "xla_metadata",
+]
+
+
+def with_context_mesh(eqn: Any, mesh: Any) -> Any:
+    """The equation with its traced-under abstract mesh replaced (JAX re-enters it when
+    it evaluates the equation). Contexts are interned by JAX: build a new one, never
+    mutate."""
+    from jax._src import core as _core
+
+    ctx = eqn.ctx
+    fields = _CTX_FIELDS_012 if hasattr(ctx, "cur_layout_mode") else _CTX_FIELDS_010
+    if ctx.cur_abstract_mesh is mesh or ctx.cur_abstract_mesh == mesh:
+        return eqn
+    args = []
+    for name in fields:
+        if name == "cur_abstract_mesh":
+            args.append(mesh)
+        elif name == "xla_metadata":
+            md = ctx.xla_metadata
+            args.append(None if md is None else tuple(sorted(md.items())))
+        else:
+            args.append(getattr(ctx, name))
+    return eqn.replace(ctx=_core.JaxprEqnContext._create(*args))

@@ -9,6 +9,7 @@ types, shardings of committed arrays, static arguments), like ``jax.jit``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -52,6 +53,16 @@ def _leaf_key(x: Any) -> Hashable:
     return (aval.shape, aval.dtype, getattr(aval, "weak_type", False), None)
 
 
+def _trace_arg(x: Any) -> Any:
+    """Trace on shape and dtype only: where an input lives is the planner's business,
+    and avals carrying a submesh would clash with the mesh the program is traced on."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, weak_type=bool(getattr(x.aval, "weak_type", False))
+        )
+    return x
+
+
 @dataclasses.dataclass
 class _Call:
     """A normalised call: static arguments split from dynamic ones."""
@@ -83,8 +94,10 @@ class Lowered:
         tok = set_active(mmesh)
         try:
             state = TraceState(mmesh)
-            with _compat.no_mesh_context(), tracing(state):
-                closed = jax.make_jaxpr(flat_fun)(*flat)
+            with _compat.no_mesh_context(), tracing(state), contextlib.ExitStack() as es:
+                if mmesh is not None:  # as in the reference, `with mmesh: jax.jit(f)`
+                    es.enter_context(_compat.use_abstract_mesh(mmesh.mesh.abstract_mesh))
+                closed = jax.make_jaxpr(flat_fun)(*[_trace_arg(x) for x in flat])
         finally:
             reset_active(tok)
         self.jaxpr = closed

@@ -206,8 +206,15 @@ class _Task:
         scope, submesh = resolve(self.name, self.stage, self.mesh)
         es = contextlib.ExitStack()
         es.enter_context(jax.named_scope(scope))
-        if trace_state() is not None:
-            es.enter_context(_compat.use_abstract_mesh(submesh.abstract_mesh))
+        state = trace_state()
+        if state is not None:
+            # Shardings traced inside the task refer to the mesh the reference sees (the
+            # global mesh for stage= tasks, the task's mesh for mesh= tasks); the
+            # compiler rewrites them to the fragment's submesh.
+            ctx = self.mesh if self.mesh is not None else None
+            if ctx is None and state.multimesh is not None:
+                ctx = state.multimesh.mesh
+            es.enter_context(_compat.use_abstract_mesh((ctx or submesh).abstract_mesh))
         tok = _CURRENT.set(self.name)
         self._stack.append((es, tok))
         return self

@@ -85,7 +85,9 @@ class Rules:
 
     def warn_unmatched(self) -> None:
         if self.overlaps:
-            rows = "; ".join(f"{sc!r}: {ps} (first wins)" for sc, ps in sorted(self.overlaps.items()))
+            rows = "; ".join(
+                f"{sc!r}: {ps} (first wins)" for sc, ps in sorted(self.overlaps.items())
+            )
             warnings.warn(f"task_rules overlap: several rules match {rows}.", stacklevel=4)
         unused = [p for p, scopes in self.used.items() if not scopes]
         if unused:

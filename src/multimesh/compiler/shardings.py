@@ -98,6 +98,17 @@ def _concrete(mesh: Mesh, ctx: Ctx) -> Mesh:
     )
 
 
+def _abstract(m: AbstractMesh, ctx: Ctx) -> AbstractMesh:
+    """The target's abstract mesh, keeping the axis types (e.g. Manual inside shard_map)
+    that ``m`` gives the axes they share."""
+    target = ctx.target.abstract_mesh
+    types = dict(zip(m.axis_names, m.axis_types))
+    new = tuple(types.get(n, t) for n, t in zip(target.axis_names, target.axis_types))
+    if new == tuple(target.axis_types):
+        return target
+    return target.update(axis_types=new)
+
+
 def rewrite_value(v: Any, ctx: Ctx) -> Any:
     if isinstance(v, NamedSharding):
         m = v.mesh
@@ -105,13 +116,13 @@ def rewrite_value(v: Any, ctx: Ctx) -> Any:
             if _is_global(m, ctx):
                 _check_spec(v.spec, ctx)
             spec = _fit_spec(v.spec, tuple(ctx.target.axis_names))
-            return NamedSharding(ctx.target.abstract_mesh, spec)
+            return NamedSharding(_abstract(m, ctx), spec)
         spec = _check_spec(v.spec, ctx) if _is_global(m, ctx) else v.spec
         return NamedSharding(_concrete(m, ctx), spec, memory_kind=v.memory_kind)
     if isinstance(v, AbstractMesh):
         if v.empty:
             return v
-        return ctx.target.abstract_mesh
+        return _abstract(v, ctx)
     if isinstance(v, Mesh):
         return _concrete(v, ctx)
     if isinstance(v, jcore.ClosedJaxpr):
@@ -138,10 +149,49 @@ def rewrite_params(prim: str, params: dict[str, Any], ctx: Ctx) -> dict[str, Any
 
 
 def rewrite_eqn(eqn: Any, ctx: Ctx) -> Any:
-    if not eqn.params:
-        return eqn
-    return eqn.replace(params=rewrite_params(eqn.primitive.name, eqn.params, ctx))
+    if eqn.params:
+        eqn = eqn.replace(params=rewrite_params(eqn.primitive.name, eqn.params, ctx))
+    mesh = _compat.eqn_context_mesh(eqn)
+    if mesh is not None and not mesh.empty:
+        eqn = _compat.with_context_mesh(eqn, rewrite_value(mesh, ctx))
+    return eqn
+
+
+def _rewrite_aval(aval: Any, ctx: Ctx) -> Any:
+    sh = getattr(aval, "sharding", None)
+    if not isinstance(sh, NamedSharding) or not isinstance(sh.mesh, AbstractMesh):
+        return aval
+    if sh.mesh.empty:
+        return aval
+    new = NamedSharding(_abstract(sh.mesh, ctx), _fit_spec(sh.spec, tuple(ctx.target.axis_names)))
+    return aval.update(sharding=new)
 
 
 def rewrite_jaxpr(jaxpr: Any, ctx: Ctx) -> Any:
-    return jaxpr.replace(eqns=[rewrite_eqn(e, ctx) for e in jaxpr.eqns])
+    """Rewrite a nested jaxpr: equation parameters, contexts, and the types of its
+    variables (which JAX reads back, e.g. when lowering a scan)."""
+    sub: dict[Any, Any] = {}
+
+    def nv(v: Any) -> Any:
+        if isinstance(v, jcore.Literal):
+            return v
+        if v in sub:
+            return sub[v]
+        aval = _rewrite_aval(v.aval, ctx)
+        if aval is v.aval:
+            n = v
+        elif isinstance(v, jcore.DropVar):
+            n = jcore.DropVar(aval)
+        else:
+            n = jcore.Var(aval)
+        sub[v] = n
+        return n
+
+    constvars = [nv(v) for v in jaxpr.constvars]
+    invars = [nv(v) for v in jaxpr.invars]
+    eqns = []
+    for e in jaxpr.eqns:
+        e = rewrite_eqn(e, ctx)
+        eqns.append(e.replace(invars=[nv(a) for a in e.invars], outvars=[nv(o) for o in e.outvars]))
+    outvars = [nv(a) for a in jaxpr.outvars]
+    return jaxpr.replace(constvars=constvars, invars=invars, eqns=eqns, outvars=outvars)
