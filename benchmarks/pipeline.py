@@ -63,7 +63,7 @@ from typing import Any  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import multimesh as mm  # noqa: E402
 
@@ -321,9 +321,9 @@ def bench_config(
     # task's params on its stage's device (where the update leaves them), so no step
     # moves an input.
     mm_step = mm.jit(step, mesh=mmesh)
-    devs = jax.devices()[:S]
-    x_mm, y_mm = jax.device_put(host_x, devs[0]), jax.device_put(host_y, devs[S - 1])
-    p_mm = [jax.device_put(ws, devs[i % S]) for i, ws in enumerate(host_params)]
+    on = [NamedSharding(mmesh.submesh(i), PartitionSpec()) for i in range(S)]
+    x_mm, y_mm = jax.device_put(host_x, on[0]), jax.device_put(host_y, on[S - 1])
+    p_mm = [jax.device_put(ws, on[i % S]) for i, ws in enumerate(host_params)]
     t0 = time.perf_counter()
     p_mm, v_mm = mm_step(p_mm, x_mm, y_mm)
     jax.block_until_ready((p_mm, v_mm))

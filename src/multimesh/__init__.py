@@ -5,6 +5,7 @@
 >>> step = mm.jit(train_step, mesh=mmesh)   # tasks inside run on their submeshes
 """
 
+from multimesh import flax as flax
 from multimesh import schedules as schedules
 from multimesh.api import Compiled as Compiled
 from multimesh.api import Lowered as Lowered
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Compiled",
+    "flax",
     "Lowered",
     "MpmdFunction",
     "MultiMesh",

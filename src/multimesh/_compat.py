@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.extend  # noqa: F401  (jax 0.10 does not import it eagerly)
+import numpy as np
 from jax._src import mesh as _mesh_lib
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _traceback_util
@@ -194,3 +195,12 @@ def with_context_mesh(eqn: Any, mesh: Any) -> Any:
         else:
             args.append(getattr(ctx, name))
     return eqn.replace(ctx=_core.JaxprEqnContext._create(*args))
+
+
+def retype_literal_value(val: Any, aval: Any) -> Any:
+    """A literal's value with a new type: JAX's typed array literals carry their aval."""
+    from jax._src import literals as _literals
+
+    if isinstance(val, _literals.TypedNdArray):
+        return _literals.TypedNdArray(np.asarray(val), aval=aval)
+    return val

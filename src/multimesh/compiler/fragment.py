@@ -201,8 +201,12 @@ def fragment(
                 continue
             for h in sorted(g.succ, key=lambda x: groups[x].level):
                 gh = groups[h]
+                # a group that only needs program inputs and constants (e.g. a gradient
+                # seed) joins its consumer whatever the phase
                 same = (
-                    gh.stage == g.stage and gh.mb == g.mb and (g.mb is None or gh.phase == g.phase)
+                    gh.stage == g.stage
+                    and gh.mb == g.mb
+                    and (g.mb is None or gh.phase == g.phase or not g.pred)
                 )
                 if same and not sends(gid) and not reaches_via_other(gid, h):
                     merge(h, gid)  # run g's work with h

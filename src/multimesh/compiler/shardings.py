@@ -154,7 +154,17 @@ def rewrite_eqn(eqn: Any, ctx: Ctx) -> Any:
     mesh = _compat.eqn_context_mesh(eqn)
     if mesh is not None and not mesh.empty:
         eqn = _compat.with_context_mesh(eqn, rewrite_value(mesh, ctx))
+    if any(isinstance(a, jcore.Literal) for a in eqn.invars):
+        ins = [_rewrite_literal(a, ctx) if isinstance(a, jcore.Literal) else a for a in eqn.invars]
+        eqn = eqn.replace(invars=ins)
     return eqn
+
+
+def _rewrite_literal(lit: Any, ctx: Ctx) -> Any:
+    aval = _rewrite_aval(lit.aval, ctx)
+    if aval is lit.aval:
+        return lit
+    return jcore.Literal(_compat.retype_literal_value(lit.val, aval), aval)
 
 
 def _rewrite_aval(aval: Any, ctx: Ctx) -> Any:

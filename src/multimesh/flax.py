@@ -1,0 +1,190 @@
+"""Flax integration: place NNX and Linen modules on submeshes.
+
+``mm.flax.task(module, stage=i)`` returns a module whose ``__call__`` runs inside
+``mm.task``; its parameters, state and ``nnx.split``/``merge``/``jit``/``grad`` work as
+before, with the same parameter paths. For NNX, which records no module names in the
+name stack, this is how layers are placed without editing them; for Linen, ``task_rules``
+on module paths work as well. :func:`init` creates parameters (and optimizer state)
+directly on the submesh where they are used, so that nothing is materialised on another
+device first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from multimesh import _compat
+from multimesh.tasks import task as _task
+
+_compat.register_exclusion(__file__)
+
+_CLASSES: dict[Any, type] = {}
+
+
+def _nnx_class(cls: type) -> type:
+    """A subclass of ``cls`` (same name) whose ``__call__`` runs inside the instance's task."""
+    if cls in _CLASSES:
+        return _CLASSES[cls]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        with _task(self.mm_task_name, stage=self.mm_stage, mesh=self.mm_mesh):
+            return cls.__call__(self, *args, **kwargs)
+
+    sub = type(
+        cls.__name__,
+        (cls,),
+        {
+            "__call__": __call__,
+            "__qualname__": cls.__qualname__,
+            "__module__": cls.__module__,
+            "_mm_task_class": True,
+        },
+    )
+    _CLASSES[cls] = sub
+    return sub
+
+
+def _linen_class(cls: type, stage: int | None, mesh: Mesh | None, name: str | None) -> type:
+    key = (cls, ("linen", stage, mesh, name))
+    if key in _CLASSES:
+        return _CLASSES[key]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        with _task(name or cls.__name__, stage=stage, mesh=mesh):
+            return cls.__call__(self, *args, **kwargs)
+
+    sub = type(
+        cls.__name__,
+        (cls,),
+        {"__call__": __call__, "__qualname__": cls.__qualname__, "__module__": cls.__module__},
+    )
+    _CLASSES[key] = sub
+    return sub
+
+
+def task(
+    module: Any,
+    *,
+    stage: int | None = None,
+    mesh: Mesh | None = None,
+    name: str | None = None,
+) -> Any:
+    """Run a Flax module (and its gradient) on one submesh.
+
+    - an NNX module instance: returned (same object, same parameter paths) with its
+      ``__call__`` inside ``mm.task``;
+    - a Linen module class: a subclass (same name, so the same parameter paths);
+    - a Linen module instance: an equal instance of that subclass.
+    """
+    if (stage is None) == (mesh is None):
+        raise ValueError(
+            f"mm.flax.task: give exactly one of stage= or mesh=; got stage={stage!r}, "
+            f"mesh={mesh!r}."
+        )
+    from flax import linen as nn
+    from flax import nnx
+
+    if isinstance(module, nnx.Module):
+        cls = type(module)
+        base = cls.__mro__[1] if cls.__dict__.get("_mm_task_class") else cls
+        object.__setattr__(module, "__class__", _nnx_class(base))
+        # plain Python values: NNX keeps them as static attributes in the graphdef
+        module.mm_stage = stage
+        module.mm_mesh = mesh
+        module.mm_task_name = name or base.__name__
+        return module
+    if isinstance(module, type) and issubclass(module, nn.Module):
+        return _linen_class(module, stage, mesh, name)
+    if isinstance(module, nn.Module):
+        sub = _linen_class(type(module), stage, mesh, name)
+        fields = {
+            f.name: getattr(module, f.name)
+            for f in dataclasses.fields(module)
+            if f.init and f.name != "parent"
+        }
+        return sub(**fields)
+    raise TypeError(
+        f"mm.flax.task takes an NNX module, a Linen module or a Linen module class; got "
+        f"{type(module).__name__}."
+    )
+
+
+def init(
+    fn: Callable[..., Any],
+    *,
+    mesh: Any,
+    stages: Any,
+    task_rules: Any = None,
+) -> Callable[..., Any]:
+    """``fn`` (e.g. ``model.init`` or an NNX constructor returning ``nnx.state``) under
+    ``mm.jit``, with each output leaf created on the stage ``stages`` gives it.
+
+    ``stages`` is a pytree prefix of the outputs (ints), or a callable
+    ``(key_path, leaf) -> stage``. Initialisers that depend only on the PRNG key and
+    constants are recomputed on the stage that needs each leaf, so no parameter is
+    materialised on another submesh first.
+    """
+    from multimesh.api import jit
+
+    def placed(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        if callable(stages):
+            stage_tree = jax.tree_util.tree_map_with_path(lambda p, x: stages(p, x), out)
+        else:
+            stage_tree = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), stages, out)
+        return jax.tree.map(
+            lambda s, x: _task("init", stage=int(s))(lambda y: y + 0 if _is_num(y) else y)(x),
+            stage_tree,
+            out,
+        )
+
+    return jit(functools.wraps(fn)(placed), mesh=mesh, task_rules=task_rules)
+
+
+def _is_num(x: Any) -> bool:
+    return hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+
+
+def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
+    """Build an NNX model under ``mm.jit`` so each parameter is created on the submesh of
+    the ``mm.flax.task`` that owns it (and nowhere else).
+
+    ``model = mm.flax.create(lambda key: Model(cfg, rngs=nnx.Rngs(key)), key, mesh=mmesh)``
+    """
+    from flax import nnx
+
+    from multimesh.api import jit
+
+    box: dict[str, Any] = {}
+
+    def build(*a: Any) -> Any:
+        model = ctor(*a)
+        owners: list[tuple[tuple, Any]] = []
+        for path, node in nnx.iter_graph(model):
+            if isinstance(node, nnx.Module) and getattr(node, "mm_stage", None) is not None:
+                owners.append((tuple(path), node))
+            elif isinstance(node, nnx.Module) and getattr(node, "mm_mesh", None) is not None:
+                owners.append((tuple(path), node))
+        owners.sort(key=lambda o: -len(o[0]))
+        for path, node in nnx.iter_graph(model):
+            if not isinstance(node, nnx.Variable) or not _is_num(node.value):
+                continue
+            path = tuple(path)
+            for opath, owner in owners:
+                if path[: len(opath)] == opath:
+                    node.value = _task(
+                        owner.mm_task_name, stage=owner.mm_stage, mesh=owner.mm_mesh
+                    )(lambda y: y + 0)(node.value)
+                    break
+        graphdef, state = nnx.split(model)
+        box["graphdef"] = graphdef
+        return state
+
+    state = jit(build, mesh=mesh)(*args)
+    return nnx.merge(box["graphdef"], state)
