@@ -9,6 +9,7 @@ types, shardings of committed arrays, static arguments), like ``jax.jit``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -93,7 +94,9 @@ class Lowered:
         tok = set_active(mmesh)
         try:
             state = TraceState(mmesh)
-            with _compat.no_mesh_context(), tracing(state):
+            with _compat.no_mesh_context(), tracing(state), contextlib.ExitStack() as es:
+                if mmesh is not None:  # as in the reference, `with mmesh: jax.jit(f)`
+                    es.enter_context(_compat.use_abstract_mesh(mmesh.mesh.abstract_mesh))
                 closed = jax.make_jaxpr(flat_fun)(*[_trace_arg(x) for x in flat])
         finally:
             reset_active(tok)

@@ -435,7 +435,9 @@ def _dispatch_order(groups, seqs: dict[int, list[int]]) -> list[int]:
                         f"invalid schedule: step {pos[s]} on stage {s} ({what[0]}) cannot run: "
                         f"it needs {dep[0]} on stage {groups[need].stage}, which is "
                         "scheduled after work that waits on this step (deadlock). Reorder "
-                        "the schedule."
+                        "the schedule, or check the placement: in a pipeline each stage's "
+                        "forward may only use earlier stages' forwards (a layer placed on "
+                        "an earlier stage than its inputs needs its own, later stage)."
                     )
     return order
 
