@@ -44,7 +44,7 @@ def test_nnx_task_values_grads_and_placement(mesh4x2):
     got = mm.jit(f, mesh=mesh4x2)(state, x)
     assert_close(got, reference(f, mesh4x2, state, x))
     for i in range(4):
-        assert stage_of(got[1]["blocks"][i]["lin"]["kernel"].value, mesh4x2) == i
+        assert stage_of(got[1]["blocks"][i]["lin"]["kernel"].get_value(), mesh4x2) == i
 
 
 def test_nnx_create_in_place(mesh4x2):
@@ -52,7 +52,7 @@ def test_nnx_create_in_place(mesh4x2):
     ref = Model(4, 8, nnx.Rngs(jax.random.key(0)))
     assert_close(nnx.state(model, nnx.Param), nnx.state(ref, nnx.Param))
     for i in range(4):
-        assert stage_of(model.blocks[i].lin.kernel.value, mesh4x2) == i
+        assert stage_of(model.blocks[i].lin.kernel.get_value(), mesh4x2) == i
     # nothing moved between submeshes while creating the parameters
     fn = mm.jit(lambda k: nnx.state(Model(4, 8, nnx.Rngs(k))), mesh=mesh4x2)
     assert fn.lower(jax.random.key(0)).plan.transfers == []

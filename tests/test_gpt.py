@@ -83,12 +83,13 @@ def test_nnx_gpt(layout):
         assert losses[-1] < 0.8 * losses[0]
     params = final[0]
     s = mmesh.num_stages
-    assert stage_of(params["embed"]["tok"]["embedding"].value, mmesh) == 0
+    assert stage_of(params["embed"]["tok"]["embedding"].get_value(), mmesh) == 0
     for i in range(cfg.layers):
         assert (
-            stage_of(params["blocks"][i]["up"]["kernel"].value, mmesh) == cfg.stage_of_layer(i) % s
+            stage_of(params["blocks"][i]["up"]["kernel"].get_value(), mmesh)
+            == cfg.stage_of_layer(i) % s
         )
-    assert stage_of(params["head"]["logits"]["kernel"].value, mmesh) == (cfg.stages - 1) % s
+    assert stage_of(params["head"]["logits"]["kernel"].get_value(), mmesh) == (cfg.stages - 1) % s
 
 
 @pytest.mark.parametrize("tied", [False, True])

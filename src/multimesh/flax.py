@@ -173,14 +173,13 @@ def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
                 owners.append((tuple(path), node))
         owners.sort(key=lambda o: -len(o[0]))
         for path, node in nnx.iter_graph(model):
-            if not isinstance(node, nnx.Variable) or not _is_num(node.value):
+            if not isinstance(node, nnx.Variable) or not _is_num(node.get_value()):
                 continue
             path = tuple(path)
             for opath, owner in owners:
                 if path[: len(opath)] == opath:
-                    node.value = _task(
-                        owner.mm_task_name, stage=owner.mm_stage, mesh=owner.mm_mesh
-                    )(lambda y: y + 0)(node.value)
+                    place = _task(owner.mm_task_name, stage=owner.mm_stage, mesh=owner.mm_mesh)
+                    node.set_value(place(lambda y: y + 0)(node.get_value()))
                     break
         graphdef, state = nnx.split(model)
         box["graphdef"] = graphdef

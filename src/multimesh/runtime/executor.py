@@ -73,6 +73,9 @@ class Executable:
         self.compiled: list[Any] = []
         self._run_index: list[int] = []  # step index of each fragment's run
         cache: dict[Any, Any] = {}
+        owned: set[int] = set()  # slots holding buffers only the runtime references
+        #: slots whose buffers are donated to a later fragment (invalid after it runs)
+        self.donated_slots: set[int] = set()
 
         for st in plan.steps:
             if st.kind == "inputs":
@@ -117,11 +120,24 @@ class Executable:
                     NamedSharding(mesh, PartitionSpec()) if i in multi_out or not in_ids else None
                     for i in out_ids
                 )
-                donate = tuple(
-                    k
-                    for k, i in enumerate(in_ids)
-                    if i in as_is_arg and as_is_arg[i] in donated and i in st.free
-                )
+                # donate at last use: user-donated inputs, and our own intermediates
+                # (fragment outputs and transfer copies) when an output can reuse them
+                out_avals = [(tuple(v.aval.shape), v.aval.dtype) for v, _ in f.outputs]
+                donate_l = []
+                for k, i in enumerate(in_ids):
+                    if i not in st.free or i in multi_out:
+                        continue
+                    if i in as_is_arg:
+                        if as_is_arg[i] in donated:
+                            donate_l.append(k)
+                        continue
+                    if i in owned:
+                        key_av = (tuple(slot_var[i].aval.shape), slot_var[i].aval.dtype)
+                        if key_av in out_avals and not _is_key(slot_var[i].aval):
+                            out_avals.remove(key_av)
+                            donate_l.append(k)
+                donate = tuple(donate_l)
+                self.donated_slots.update(in_ids[k] for k in donate)
                 body = _named(fn, "mm_" + _sanitize(info.name))
                 avals = [
                     jax.ShapeDtypeStruct(
@@ -156,10 +172,12 @@ class Executable:
                 self._run_index.append(len(steps))
                 for i, sh in zip(out_ids, compiled.output_shardings):
                     slot_sh[i] = sh
+                owned.update(out_ids)
                 steps.append((_RUN, compiled, tuple(in_ids), tuple(out_ids), tuple(st.free)))
                 continue
             elif st.kind == "transfer":
                 steps.append(self._transfer_step(st, targets, slot_sh))
+                owned.update(dst for _src, dst, *_ in st.items)
             if st.free and steps[-1][0] == _CALL:
                 steps[-1] = (*steps[-1][:4], tuple(st.free))
         self._steps = steps

@@ -62,8 +62,11 @@ def record_run(exe: Any, args: Sequence[Any]) -> tuple[list[Any], Timeline]:
             if item is None:
                 return
             k, outs = item
-            jax.block_until_ready(outs)
-            ends[k] = time.perf_counter()
+            if outs:
+                jax.block_until_ready(outs)
+                ends[k] = time.perf_counter()
+            else:  # every output is donated onward: it ended before its consumer began
+                ends[k] = None
 
     threads = [threading.Thread(target=waiter, args=(s,), daemon=True) for s in stages]
     for t in threads:
@@ -80,7 +83,8 @@ def record_run(exe: Any, args: Sequence[Any]) -> tuple[list[Any], Timeline]:
             res = fn(*[env[i] for i in ins])
             for i, r in zip(outs, res):
                 env[i] = r
-            queues[plan.frags[k].stage].put((k, list(res)))
+            keep = [r for i, r in zip(outs, res) if i not in exe.donated_slots]
+            queues[plan.frags[k].stage].put((k, keep))
         else:
             fn(env, args)
         live_b = {s: 0 for s in stages}
@@ -102,6 +106,10 @@ def record_run(exe: Any, args: Sequence[Any]) -> tuple[list[Any], Timeline]:
     for t in threads:
         t.join()
     deps = _fragment_deps(plan)
+    for k in sorted(ends, key=lambda k: dispatch[k]):
+        if ends[k] is None:
+            later = [ends[j] for j in ends if ends[j] is not None and dispatch[j] > dispatch[k]]
+            ends[k] = min(later) if later else time.perf_counter()
     starts: dict[int, float] = {}
     prev_end: dict[int, float] = {}
     for k in sorted(dispatch, key=lambda k: dispatch[k]):
