@@ -18,7 +18,12 @@ import multimesh as mm  # noqa: E402
 
 
 def to_np(tree):
-    return jax.tree.map(lambda a: np.asarray(a), tree)
+    def conv(a):
+        if hasattr(a, "dtype") and jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):
+            a = jax.random.key_data(a)
+        return np.asarray(a)
+
+    return jax.tree.map(conv, tree)
 
 
 def assert_close(got, want, rtol=1e-5, atol=1e-6):

@@ -118,3 +118,67 @@ def test_init_helper_with_stage_tree(mesh4x2):
     assert stage_of(params["a"], mesh4x2) == 2 and stage_of(params["b"], mesh4x2) == 1
     assert stage_of(state[0].mu["a"], mesh4x2) == 2
     assert fn.lower(jax.random.key(0)).plan.transfers == []
+
+
+def test_nnx_dropout_rng_streams_match_plain_flax(mesh4x2):
+    model = Model(4, 8, nnx.Rngs(params=0, dropout=1), dropout=0.3)
+    graphdef, state = nnx.split(model)
+
+    def step(state, x):
+        m = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(m)
+        return loss, grads, nnx.state(m)  # the state carries the advanced RNG counts
+
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    ms = rs = state
+    losses = []
+    for _ in range(3):
+        ml, mg, ms = mm.jit(step, mesh=mesh4x2)(ms, x)
+        with mesh4x2:
+            rl, rg, rs = jax.jit(step)(rs, x)
+        assert_close((ml, mg), (rl, rg))
+        losses.append(float(ml))
+    assert len(set(losses)) == 3  # a new dropout mask each step, as in plain Flax
+    assert_close(ms, rs)
+
+
+def test_linen_logical_sharding_resolves_on_the_submesh(mesh222):
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+            w = self.param("w", init, (8, 16))
+            h = nn.with_logical_constraint(jnp.tanh(x @ w), ("batch", "mlp"))
+            return h
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = mm.flax.task(MLP, stage=1)(name="mlp")(x)
+            return mm.flax.task(nn.Dense, stage=0)(4, name="out")(h)
+
+    rules = (("batch", "data"), ("mlp", "model"), ("embed", None))
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    net = Net()
+    with mesh222, nn.logical_axis_rules(rules):
+        params = nn.meta.unbox(net.init(jax.random.key(1), x))
+
+    def loss(p, x):
+        return (net.apply(p, x) ** 2).mean()
+
+    f = jax.value_and_grad(loss)
+    with nn.logical_axis_rules(rules):
+        got = mm.jit(f, mesh=mesh222)(params, x)
+        with mesh222:
+            want = jax.jit(f)(params, x)
+    assert_close(got, want)
+    assert stage_of(got[1]["params"]["mlp"]["w"], mesh222) == 1
+
+    def hidden_fn(x, w):
+        with mm.task("mlp", stage=1):
+            return nn.with_logical_constraint(jnp.tanh(x @ w), ("batch", "mlp"))
+
+    with nn.logical_axis_rules(rules):
+        h = mm.jit(hidden_fn, mesh=mesh222)(x, params["params"]["mlp"]["w"])
+    assert h.sharding.spec == jax.P("data", "model")
+    assert stage_of(h, mesh222) == 1
