@@ -182,3 +182,71 @@ def test_linen_logical_sharding_resolves_on_the_submesh(mesh222):
         h = mm.jit(hidden_fn, mesh=mesh222)(x, params["params"]["mlp"]["w"])
     assert h.sharding.spec == jax.P("data", "model")
     assert stage_of(h, mesh222) == 1
+
+
+def test_nnx_sharding_metadata_resolves_on_the_submesh(mesh222):
+    class TP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+            self.lin = nnx.Linear(8, 16, kernel_init=init, rngs=rngs)
+
+        def __call__(self, x):
+            h = jnp.tanh(self.lin(x))
+            return jax.lax.with_sharding_constraint(h, jax.P("data", "model"))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = mm.flax.task(TP(rngs), stage=0)
+            self.b = mm.flax.task(nnx.Linear(16, 2, rngs=rngs), stage=1)
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    with mesh222:  # NNX creates annotated variables sharded on the context mesh
+        net = Net(nnx.Rngs(0))
+    graphdef, state = nnx.split(net)
+    spec = nnx.get_partition_spec(state)
+    assert spec["a"]["lin"]["kernel"].get_value() == jax.P(None, "model")
+
+    def loss(state, x):
+        return (nnx.merge(graphdef, state)(x) ** 2).mean()
+
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    # place the parameters by their metadata, on the global mesh (stage axis replicated)
+    shardings = jax.tree.map(
+        lambda s: jax.sharding.NamedSharding(mesh222.mesh, s),
+        spec,
+        is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec),
+    )
+    state = jax.device_put(state, shardings)
+    f = jax.value_and_grad(loss)
+    got = mm.jit(f, mesh=mesh222)(state, x)
+    assert_close(got, reference(f, mesh222, state, x))
+    g = got[1]["a"]["lin"]["kernel"].get_value()
+    assert stage_of(g, mesh222) == 0
+    plan = mm.jit(f, mesh=mesh222).lower(state, x).plan
+    # the global-mesh inputs are sliced per stage in place: nothing copied for them
+    assert all(p.mode != "put" for p in plan.inputs if p.arg < len(jax.tree.leaves(state)))
+
+
+def test_linen_dropout_matches_plain_flax(mesh4x2):
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=True):
+            x = mm.flax.task(nn.Dense, stage=0)(8, name="a")(x)
+            x = nn.Dropout(0.3, deterministic=not train)(x)
+            x = mm.flax.task(nn.Dense, stage=1)(8, name="b")(jnp.tanh(x))
+            return nn.Dropout(0.3, deterministic=not train)(x)
+
+    net = Net()
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    with mesh4x2:
+        params = net.init(jax.random.key(1), x, train=False)
+
+    def loss(p, x, key):
+        return (net.apply(p, x, rngs={"dropout": key}) ** 2).mean()
+
+    f = jax.value_and_grad(loss)
+    for k in range(2):
+        key = jax.random.key(10 + k)
+        assert_close(mm.jit(f, mesh=mesh4x2)(params, x, key), reference(f, mesh4x2, params, x, key))
