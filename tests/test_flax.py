@@ -250,3 +250,20 @@ def test_linen_dropout_matches_plain_flax(mesh4x2):
     for k in range(2):
         key = jax.random.key(10 + k)
         assert_close(mm.jit(f, mesh=mesh4x2)(params, x, key), reference(f, mesh4x2, params, x, key))
+
+
+def test_wrapped_nnx_module_under_nnx_jit_and_grad(mesh4x2):
+    model = Model(2, 8, nnx.Rngs(0))
+
+    @nnx.jit
+    def loss_and_grad(m, x):
+        return nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(m)
+
+    x = jnp.ones((4, 8))
+    with mesh4x2:  # tasks are transparent outside mm.jit
+        val, grads = loss_and_grad(model, x)
+    plain = Model(2, 8, nnx.Rngs(0))
+    for b in plain.blocks:  # the same model without tasks
+        object.__setattr__(b, "__class__", Block)
+    val2, grads2 = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(plain)
+    assert_close((val, nnx.state(grads)), (val2, nnx.state(grads2)), rtol=1e-6, atol=1e-7)
