@@ -318,7 +318,6 @@ def _build_schedules(groups, loops, labels):
         if not used:
             continue
         num_virtual = used[-1] + 1
-        submeshes = sorted({groups[g].stage for g in mine})
         S = len({groups[g].stage for g in virt_of})
         sched = info.schedule
         chunks = max(1, num_virtual // max(S, 1))
@@ -346,11 +345,7 @@ def _build_schedules(groups, loops, labels):
         for gid in mine:
             g = groups[gid]
             g.actions = [Action(virt_of[gid], g.mb[1], g.phase)]
-        sub_of_row = {}
-        for gid in mine:
-            sub_of_row[virt_of[gid] % S] = groups[gid].stage
-        del submeshes
-        out[loop] = (sched, rows, sub_of_row)
+        out[loop] = (sched, rows, None)
     return out
 
 

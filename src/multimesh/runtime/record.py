@@ -25,9 +25,6 @@ def _fragment_deps(plan: Any) -> list[set[int]]:
             producer[slot] = k
     # a transferred slot (v, dst) comes from (v, src)
     moved: dict[tuple[Any, int], tuple[Any, int]] = {}
-    for st in plan.steps:
-        if st.kind == "transfer":
-            pass
     slot_by_id = {sid: slot for slot, sid in plan.slots.items()}
     for st in plan.steps:
         if st.kind == "transfer":
