@@ -266,4 +266,4 @@ def test_wrapped_nnx_module_under_nnx_jit_and_grad(mesh4x2):
     for b in plain.blocks:  # the same model without tasks
         object.__setattr__(b, "__class__", Block)
     val2, grads2 = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(plain)
-    assert_close((val, nnx.state(grads)), (val2, nnx.state(grads2)), rtol=1e-6, atol=1e-7)
+    assert_close((val, nnx.state(grads)), (val2, nnx.state(grads2)), rtol=2e-5, atol=1e-6)
