@@ -68,6 +68,22 @@ def cross_entropy(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.take_along_axis(logp, tgt[..., None], axis=-1))
 
 
+def train_step(loss: Any, optimizer: Any, num_microbatches: int, schedule: Any = "1f1b") -> Any:
+    """``step((params, opt_state), tokens) -> ((params, opt_state), loss)``: gradients
+    accumulated over microbatches in ``schedule``'s order, then one optimizer update."""
+    grad_fn = mm.microbatch(
+        jax.value_and_grad(loss), num_microbatches, argnums=1, schedule=schedule, reduce="mean"
+    )
+
+    def step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
+        p, o = state
+        val, grads = grad_fn(p, tokens)
+        updates, o = optimizer.update(grads, o, p)
+        return (optax.apply_updates(p, updates), o), val
+
+    return step
+
+
 # --- NNX ------------------------------------------------------------------------------
 
 
@@ -140,16 +156,7 @@ def nnx_train_step(
     def loss(p: Any, tokens: jax.Array) -> jax.Array:
         return cross_entropy(nnx.merge(graphdef, p)(tokens), tokens)
 
-    grad_fn = mm.microbatch(
-        jax.value_and_grad(loss), num_microbatches, argnums=1, schedule=schedule, reduce="mean"
-    )
-
-    def step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
-        p, o = state
-        val, grads = grad_fn(p, tokens)
-        updates, o = optimizer.update(grads, o, p)
-        return (optax.apply_updates(p, updates), o), val
-
+    step = train_step(loss, optimizer, num_microbatches, schedule)
     return step, (params, optimizer.init(params))
 
 
@@ -204,17 +211,7 @@ def linen_train_step(
     def loss(p: Any, tokens: jax.Array) -> jax.Array:
         return cross_entropy(model.apply(p, tokens), tokens)
 
-    grad_fn = mm.microbatch(
-        jax.value_and_grad(loss), num_microbatches, argnums=1, schedule=schedule, reduce="mean"
-    )
-
-    def step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
-        p, o = state
-        val, grads = grad_fn(p, tokens)
-        updates, o = optimizer.update(grads, o, p)
-        return (optax.apply_updates(p, updates), o), val
-
-    return step
+    return train_step(loss, optimizer, num_microbatches, schedule)
 
 
 def synthetic_batch(cfg: Config, batch: int, seed: int = 0) -> jax.Array:
