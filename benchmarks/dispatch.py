@@ -25,40 +25,29 @@ Run:  python benchmarks/dispatch.py [--quick] [--no-profile] [--out PATH]
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import cProfile
+import dataclasses
+import gc
 import os
+import pstats
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+import _common  # sets up 8 virtual CPU devices before jax is imported
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import cProfile  # noqa: E402
-import dataclasses  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import pstats  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax.numpy as jnp  # noqa: E402
-import jaxlib  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
-
-import multimesh as mm  # noqa: E402
+import multimesh as mm
 
 LR = 0.01
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # --- models ------------------------------------------------------------------------------
@@ -149,8 +138,9 @@ class Timing:
         }
 
 
-def measure(fn: Callable, params: Any, x: Any, timing: Timing, steps: int,
-            ctx: Callable[[], Any]) -> Any:
+def measure(
+    fn: Callable, params: Any, x: Any, timing: Timing, steps: int, ctx: Callable[[], Any]
+) -> Any:
     """One repeat: ``steps`` blocking steps, then ``steps`` steps of a non-blocking loop.
 
     Steps of one function run back to back (a training loop's steady state: thread pools
@@ -336,8 +326,12 @@ def bench_primitives(steps: int, repeats: int) -> dict[str, Any]:
 
         same_layout_copy([x], [sh1])[0].block_until_ready()
         cases.append(("mm_same_layout_copy_8x64", lambda: same_layout_copy([x], [sh1])))
-        cases.append(("chain_8_calls_8_devices_mm_copy",
-                      chain_across(lambda y, sh: same_layout_copy([y], [sh])[0])))
+        cases.append(
+            (
+                "chain_8_calls_8_devices_mm_copy",
+                chain_across(lambda y, sh: same_layout_copy([y], [sh])[0]),
+            )
+        )
     except (ImportError, AttributeError, TypeError, ValueError):
         pass
     for _, fn in cases:  # compile every device's copy of f before timing
@@ -378,16 +372,19 @@ def profile_model(cfg: Config, steps: int, top: int = 12) -> dict[str, Any]:
             where = "multimesh/" + file.split("multimesh/")[-1]
         elif "site-packages/" in file:
             where = file.split("site-packages/")[-1]
-        rows.append({
-            "function": f"{where}:{line}({func})",
-            "calls_per_step": round(nc / steps, 2),
-            "tottime_us_per_step": round(tt / steps * 1e6, 2),
-            "cumtime_us_per_step": round(ct / steps * 1e6, 2),
-            "multimesh": "multimesh/" in file,
-        })
+        rows.append(
+            {
+                "function": f"{where}:{line}({func})",
+                "calls_per_step": round(nc / steps, 2),
+                "tottime_us_per_step": round(tt / steps * 1e6, 2),
+                "cumtime_us_per_step": round(ct / steps * 1e6, 2),
+                "multimesh": "multimesh/" in file,
+            }
+        )
     by_tt = sorted(rows, key=lambda r: -r["tottime_us_per_step"])[:top]
-    mm_rows = sorted((r for r in rows if r["multimesh"]),
-                     key=lambda r: -r["cumtime_us_per_step"])[:top]
+    mm_rows = sorted((r for r in rows if r["multimesh"]), key=lambda r: -r["cumtime_us_per_step"])[
+        :top
+    ]
 
     def cum(pred: Callable[[str], bool]) -> float:
         return round(sum(r["cumtime_us_per_step"] for r in rows if pred(r["function"])), 2)
@@ -397,16 +394,28 @@ def profile_model(cfg: Config, steps: int, top: int = 12) -> dict[str, Any]:
         "total": round(total / steps * 1e6, 2),
         "block_until_ready (waiting for devices)": cum(lambda f: "(block_until_ready)" in f),
         "XLA executable calls (Compiled.__call__)": cum(
-            lambda f: "jax/_src/stages.py" in f and f.endswith("(__call__)")),
+            lambda f: "jax/_src/stages.py" in f and f.endswith("(__call__)")
+        ),
         "cross-submesh copies (same_layout_copy)": cum(lambda f: "(same_layout_copy)" in f),
-        "multimesh Python, own time (excl. copies)": round(sum(
-            r["tottime_us_per_step"] for r in rows
-            if r["multimesh"] and "(same_layout_copy)" not in r["function"]), 2),
-        "  of which argument handling (api.py)": round(sum(
-            r["tottime_us_per_step"] for r in rows if "multimesh/api.py" in r["function"]), 2),
-        "  of which executor loop (executor.py)": round(sum(
-            r["tottime_us_per_step"] for r in rows
-            if "multimesh/runtime/executor.py" in r["function"]), 2),
+        "multimesh Python, own time (excl. copies)": round(
+            sum(
+                r["tottime_us_per_step"]
+                for r in rows
+                if r["multimesh"] and "(same_layout_copy)" not in r["function"]
+            ),
+            2,
+        ),
+        "  of which argument handling (api.py)": round(
+            sum(r["tottime_us_per_step"] for r in rows if "multimesh/api.py" in r["function"]), 2
+        ),
+        "  of which executor loop (executor.py)": round(
+            sum(
+                r["tottime_us_per_step"]
+                for r in rows
+                if "multimesh/runtime/executor.py" in r["function"]
+            ),
+            2,
+        ),
     }
     return {
         "model": cfg.name,
@@ -422,18 +431,22 @@ def profile_model(cfg: Config, steps: int, top: int = 12) -> dict[str, Any]:
 
 
 def print_table(results: list[dict[str, Any]], prims: dict[str, Any]) -> None:
-    hdr = (f"{'model':<16}{'S':>3}{'frag':>5}{'xfer':>5}{'mm us':>11}{'jax us':>10}"
-           f"{'ratio':>7}{'us/frag':>9}{'issue mm':>10}{'issue jax':>10}{'iss/frag':>9}"
-           f"{'async mm':>10}{'async jax':>10}{'ratio':>7}{'best':>7}")
+    hdr = (
+        f"{'model':<16}{'S':>3}{'frag':>5}{'xfer':>5}{'mm us':>11}{'jax us':>10}"
+        f"{'ratio':>7}{'us/frag':>9}{'issue mm':>10}{'issue jax':>10}{'iss/frag':>9}"
+        f"{'async mm':>10}{'async jax':>10}{'ratio':>7}{'best':>7}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in results:
         m, j = r["mm"], r["jax"]
-        print(f"{r['name']:<16}{r['stages']:>3}{r['fragments']:>5}{r['transfers']:>5}"
-              f"{m['step_us']:>11.1f}{j['step_us']:>10.1f}{r['ratio']:>7.2f}"
-              f"{r['overhead_per_fragment_us']:>9.1f}{m['issue_us']:>10.1f}{j['issue_us']:>10.1f}"
-              f"{r['issue_overhead_per_fragment_us']:>9.1f}{m['async_step_us']:>10.1f}"
-              f"{j['async_step_us']:>10.1f}{r['ratio_async']:>7.2f}{r['ratio_best']:>7.2f}")
+        print(
+            f"{r['name']:<16}{r['stages']:>3}{r['fragments']:>5}{r['transfers']:>5}"
+            f"{m['step_us']:>11.1f}{j['step_us']:>10.1f}{r['ratio']:>7.2f}"
+            f"{r['overhead_per_fragment_us']:>9.1f}{m['issue_us']:>10.1f}{j['issue_us']:>10.1f}"
+            f"{r['issue_overhead_per_fragment_us']:>9.1f}{m['async_step_us']:>10.1f}"
+            f"{j['async_step_us']:>10.1f}{r['ratio_async']:>7.2f}{r['ratio_best']:>7.2f}"
+        )
     print()
     print("columns: step = median blocking step time; issue = time for the call to return;")
     print("  async = per-step time of a loop that blocks only at the end; us/frag = (mm - jax)")
@@ -447,28 +460,41 @@ def print_table(results: list[dict[str, Any]], prims: dict[str, Any]) -> None:
 
 def print_profile(prof: dict[str, Any]) -> None:
     print()
-    print(f"cProfile of {prof['steps']} blocking mm.jit steps of {prof['model']} "
-          f"({prof['fragments']} fragments), us per step under the profiler:")
+    print(
+        f"cProfile of {prof['steps']} blocking mm.jit steps of {prof['model']} "
+        f"({prof['fragments']} fragments), us per step under the profiler:"
+    )
     for k, v in prof["buckets_us_per_step"].items():
         print(f"  {k:<46}{v:>9.1f}")
     print("  top functions by own time:")
     print(f"  {'own us/step':>11} {'cum us/step':>11} {'calls/step':>10}  function")
     for r in prof["top_by_tottime"]:
-        print(f"  {r['tottime_us_per_step']:>11.1f} {r['cumtime_us_per_step']:>11.1f} "
-              f"{r['calls_per_step']:>10.1f}  {r['function']}")
+        print(
+            f"  {r['tottime_us_per_step']:>11.1f} {r['cumtime_us_per_step']:>11.1f} "
+            f"{r['calls_per_step']:>10.1f}  {r['function']}"
+        )
     print("  multimesh functions by cumulative time:")
     for r in prof["multimesh_by_cumtime"]:
-        print(f"  {r['tottime_us_per_step']:>11.1f} {r['cumtime_us_per_step']:>11.1f} "
-              f"{r['calls_per_step']:>10.1f}  {r['function']}")
+        print(
+            f"  {r['tottime_us_per_step']:>11.1f} {r['cumtime_us_per_step']:>11.1f} "
+            f"{r['calls_per_step']:>10.1f}  {r['function']}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="few steps (a smoke test, < 60 s)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="JSON path (default: benchmarks/results/dispatch-<python>[-quick].json)")
-    ap.add_argument("--no-profile", action="store_true",
-                    help="skip the cProfile of steady-state mm.jit steps (8-stage model)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default: benchmarks/results/dispatch-<python>[-quick].json)",
+    )
+    ap.add_argument(
+        "--no-profile",
+        action="store_true",
+        help="skip the cProfile of steady-state mm.jit steps (8-stage model)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="timed steps per repeat")
     ap.add_argument("--repeats", type=int, default=None, help="measurement repeats")
     args = ap.parse_args(argv)
@@ -482,10 +508,12 @@ def main(argv: list[str] | None = None) -> int:
         Config("compute-s4", "compute-bound", stages=4, width=1024, batch=256),
     ]
     pyver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    print(f"MultiMesh dispatch benchmark: python {pyver}, jax {jax.__version__}, "
-          f"{jax.device_count()} {jax.devices()[0].platform} devices, {os.cpu_count()} cores; "
-          f"warmup {warmup}, {steps} steps x {repeats} repeats"
-          f"{' (quick)' if args.quick else ''}")
+    print(
+        f"MultiMesh dispatch benchmark: python {pyver}, jax {jax.__version__}, "
+        f"{jax.device_count()} {jax.devices()[0].platform} devices, {os.cpu_count()} cores; "
+        f"warmup {warmup}, {steps} steps x {repeats} repeats"
+        f"{' (quick)' if args.quick else ''}"
+    )
     print()
     t_start = time.perf_counter()
     load_start = os.getloadavg()
@@ -495,8 +523,14 @@ def main(argv: list[str] | None = None) -> int:
     for cfg in configs:
         # The compute-bound model takes ~0.1 s a step here: 20 steps, at most 5 repeats.
         big = cfg.kind == "compute-bound" and not args.quick
-        results.append(bench_model(cfg, warmup, 20 if big and not args.steps else steps,
-                                   min(repeats, 5) if big else repeats))
+        results.append(
+            bench_model(
+                cfg,
+                warmup,
+                20 if big and not args.steps else steps,
+                min(repeats, 5) if big else repeats,
+            )
+        )
     prims = bench_primitives(max(steps, 20), repeats)
     print_table(results, prims)
     prof = None
@@ -505,16 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         print_profile(prof)
     load_end = os.getloadavg()
     out = {
-        "benchmark": "dispatch",
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": getattr(jaxlib, "__version__", None),
-        "multimesh": mm.__version__,
-        "platform": jax.devices()[0].platform,
-        "num_devices": jax.device_count(),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "quick": args.quick,
+        **_common.environment("dispatch", args.quick),
         "warmup": warmup,
         "steps": steps,
         "repeats": repeats,
@@ -526,10 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile": prof,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
-    path = args.out or RESULTS / f"dispatch-{pyver}{'-quick' if args.quick else ''}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nwrote {path} ({out['wall_s']} s)")
+    _common.write_results(out, args.out)
     return 0
 
 

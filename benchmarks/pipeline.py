@@ -37,35 +37,25 @@ Run:  python benchmarks/pipeline.py [--quick] [--out PATH]
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import dataclasses
+import gc
 import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-_FLAG = "--xla_force_host_platform_device_count=8"
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
+import _common  # sets up 8 virtual CPU devices before jax is imported
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-import argparse  # noqa: E402
-import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
-
-import jax.numpy as jnp  # noqa: E402
-import jaxlib  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
-
-import multimesh as mm  # noqa: E402
+import multimesh as mm
 
 LR = 0.01
 M = 8  # microbatches
@@ -74,7 +64,6 @@ LAYERS_PER_DEVICE = 2
 WIDTHS = (256, 1024)
 STAGES = (2, 4)
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1"]
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # --- model -------------------------------------------------------------------------------
@@ -568,16 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results)
     load_end = os.getloadavg()
     out = {
-        "benchmark": "pipeline",
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": getattr(jaxlib, "__version__", None),
-        "multimesh": mm.__version__,
-        "platform": jax.devices()[0].platform,
-        "num_devices": jax.device_count(),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.machine(),
-        "quick": args.quick,
+        **_common.environment("pipeline", args.quick),
         "warmup": warmup,
         "steps_repeats_per_width": {str(w): list(v) for w, v in plan.items()},
         "records": records,
@@ -592,10 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         "configs": results,
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
-    path = args.out or RESULTS / f"pipeline-{pyver}{'-quick' if args.quick else ''}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\nwrote {path} ({out['wall_s']} s)")
+    _common.write_results(out, args.out)
     return 0
 
 
