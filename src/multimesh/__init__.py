@@ -7,13 +7,13 @@
 
 from multimesh import flax as flax
 from multimesh import schedules as schedules
-from multimesh.api import Compiled as Compiled
-from multimesh.api import Lowered as Lowered
 from multimesh.api import MpmdFunction as MpmdFunction
 from multimesh.api import jit as jit
 from multimesh.mesh import MultiMesh as MultiMesh
 from multimesh.mesh import make_mesh as make_mesh
 from multimesh.microbatch import microbatch as microbatch
+from multimesh.stages import Compiled as Compiled
+from multimesh.stages import Lowered as Lowered
 from multimesh.tasks import task as task
 
 __version__ = "0.1.0"

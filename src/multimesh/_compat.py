@@ -146,8 +146,28 @@ def make_jaxpr_obj(
 
 
 def single_device_arrays(x: jax.Array) -> list[jax.Array]:
-    """The per-device pieces of an array, in its sharding's device order."""
+    """The per-device pieces of an array, in its sharding's addressable device order."""
     return [s.data for s in x.addressable_shards]
+
+
+def addressable_device_ids(sharding: jax.sharding.Sharding) -> list[int]:
+    """Device ids in the order :func:`single_device_arrays` returns an array's pieces."""
+    return [int(d.id) for d in sharding._addressable_device_assignment]  # type: ignore[attr-defined]
+
+
+def fresh_copy(xs: Sequence[jax.Array]) -> list[jax.Array]:
+    """New buffers with the same contents, shardings and weak types."""
+    out = list(xs)
+    plain = [k for k, x in enumerate(xs) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)]
+    if plain:
+        for k, c in zip(
+            plain, same_layout_copy([xs[k] for k in plain], [xs[k].sharding for k in plain])
+        ):
+            out[k] = c
+    for k, x in enumerate(xs):
+        if out[k] is x:  # PRNG keys: no shard-wise copy of extended dtypes
+            out[k] = jax.device_put(x, may_alias=False)
+    return out
 
 
 def eqn_context_mesh(eqn: Any) -> Any:

@@ -1,194 +1,50 @@
 """``mm.jit``: trace once per input signature, split per submesh, compile, run.
 
 ``mm.jit(fun, mesh=mmesh)`` returns an :class:`MpmdFunction`. Calling it traces ``fun``
-(tasks set the abstract mesh to their submesh), runs the compiler passes (flatten,
-label, place, fragment, plan), compiles each fragment for its submesh, and runs the
-plan. Results are cached by input signature (tree structure, shapes, dtypes, weak
-types, shardings of committed arrays, static arguments), like ``jax.jit``.
+(as the reference ``with mmesh: jax.jit(fun)`` would), runs the compiler passes
+(flatten, label, place, fragment, plan), compiles each fragment for its submesh, and
+runs the plan. Like ``jax.jit`` it caches by input signature (tree structure, shapes,
+dtypes, weak types, shardings of committed arrays, static arguments); a new placement
+of the same signature reuses the trace, and a program already compiled is reused when
+every committed argument sits where it uses it (so a training loop that feeds a step's
+outputs back compiles once).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import inspect
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh import _compat
-from multimesh.compiler import fragment as frag_pass
-from multimesh.compiler import inline, label, place
-from multimesh.compiler import plan as plan_pass
+from multimesh.arguments import (
+    Call,
+    DeletedArgument,
+    Signature,
+    broadcast_prefix,
+    check_no_stage_axis,
+    check_spec_value,
+    deleted_error,
+    in_sharding_leaves,
+    leaf_key,
+    trace_arg,
+)
+from multimesh.compiler import inline, label
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.rules import Rules
 from multimesh.mesh import MultiMesh, active_multimesh, reset_active, set_active
-from multimesh.runtime.executor import Executable
-from multimesh.runtime.inputs import InputInfo, analyze
+from multimesh.stages import Compiled, Lowered, Traced
 from multimesh.tasks import TraceState, tracing
 
 _compat.register_exclusion(__file__)
 
-
-def _leaf_key(x: Any) -> Hashable:
-    if isinstance(x, jax.Array):
-        committed = getattr(x, "committed", False)
-        return (
-            x.shape,
-            x.dtype,
-            bool(getattr(x.aval, "weak_type", False)),
-            x.sharding if committed else None,
-        )
-    if isinstance(x, np.ndarray):
-        return (x.shape, x.dtype, False, None)
-    if isinstance(x, (bool, int, float, complex)):
-        return (type(x),)
-    if isinstance(x, np.generic):
-        return ((), x.dtype, False, None)
-    aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
-    return (aval.shape, aval.dtype, getattr(aval, "weak_type", False), None)
-
-
-def _trace_arg(x: Any) -> Any:
-    """Trace on shape and dtype only: where an input lives is the planner's business,
-    and avals carrying a submesh would clash with the mesh the program is traced on."""
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(
-            x.shape, x.dtype, weak_type=bool(getattr(x.aval, "weak_type", False))
-        )
-    return x
-
-
-@dataclasses.dataclass
-class _Call:
-    """A normalised call: static arguments split from dynamic ones."""
-
-    dyn_args: tuple[Any, ...]
-    dyn_kwargs: dict[str, Any]
-    static: tuple[Any, ...]
-    rebuild: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
-
-
-class Lowered:
-    """A traced and planned MPMD program (not yet compiled for XLA)."""
-
-    def __init__(self, fn: MpmdFunction, call: _Call, flat: list[Any], in_tree: Any) -> None:
-        self._fn = fn
-        self._flat = flat
-        self._in_tree = in_tree
-        self._call = call
-        mmesh = fn.multimesh
-        self.out_tree: Any = None
-
-        def flat_fun(*leaves: Any) -> list[Any]:
-            args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
-            args, kwargs = call.rebuild(args, kwargs)
-            out = fn.fun(*args, **kwargs)
-            outs, self.out_tree = jax.tree_util.tree_flatten(out)
-            return outs
-
-        tok = set_active(mmesh)
-        try:
-            state = TraceState(mmesh)
-            with _compat.no_mesh_context(), tracing(state), contextlib.ExitStack() as es:
-                if mmesh is not None:  # as in the reference, `with mmesh: jax.jit(f)`
-                    es.enter_context(_compat.use_abstract_mesh(mmesh.mesh.abstract_mesh))
-                closed = jax.make_jaxpr(flat_fun)(*[_trace_arg(x) for x in flat])
-        finally:
-            reset_active(tok)
-        self.jaxpr = closed
-        prog: FlatProgram = inline.flatten(closed)
-        rules = Rules(fn._task_rules) if fn._task_rules is not None else None
-        chunks = (
-            max([1] + [lp.schedule.chunks(mmesh.num_stages, 1 << 20) for lp in state.loops])
-            if mmesh is not None
-            else 1
-        )
-        labels: Labels = label.label(prog, mmesh, rules, chunks)
-        self.scope_stages: dict[str, int] = dict(rules.assigned) if rules is not None else {}
-        stage_axis = mmesh.stage_axis if mmesh is not None else None
-        self.input_infos: list[InputInfo] = [analyze(x, labels.targets, stage_axis) for x in flat]
-        default = (
-            min(s for s in labels.stages if s is not None)
-            if any(s is not None for s in labels.stages)
-            else 0
-        )
-        placement = place.place(prog, labels, [i.loc for i in self.input_infos], default)
-        frags = frag_pass.fragment(prog, placement, labels, state.loops)
-        self.plan: plan_pass.Plan = plan_pass.build_plan(
-            prog, labels, placement, frags, [i.mode for i in self.input_infos]
-        )
-        self._prog, self._labels = prog, labels
-
-    def as_text(self) -> str:
-        """A readable listing of the plan: fragments, devices and transfers (and, with
-        ``task_rules``, which scope went to which stage)."""
-        text = self.plan.as_text()
-        if self.scope_stages:
-            rows = [f"  {scope!r} -> stage {st}" for scope, st in sorted(self.scope_stages.items())]
-            text += "\ntask_rules placed scopes:\n" + "\n".join(rows)
-        return text
-
-    def compile(self) -> Compiled:
-        """Compile every fragment with XLA for its submesh."""
-        fn = self._fn
-        mmesh = fn.multimesh
-        put_sh = fn._put_shardings(self._labels, self._in_tree, len(self._flat))
-        donated = fn._donated_leaves(self._call, self._in_tree)
-        exe = Executable(
-            self._prog,
-            self._labels,
-            self.plan,
-            self.input_infos,
-            self._flat,
-            put_sh,
-            donated,
-            mmesh.stage_axis if mmesh is not None else None,
-            mmesh.mesh if mmesh is not None else None,
-        )
-        return Compiled(exe, self.out_tree, self.plan, fn)
-
-
-class Compiled:
-    """A compiled MPMD program; call it like the original function."""
-
-    def __init__(
-        self, exe: Executable, out_tree: Any, plan: plan_pass.Plan, fn: MpmdFunction
-    ) -> None:
-        self._exe = exe
-        self._out_tree = out_tree
-        self.plan = plan
-        self._fn = fn
-
-    def as_text(self) -> str:
-        return self.plan.as_text()
-
-    def call_flat(self, flat: Sequence[Any]) -> Any:
-        outs = self._exe(flat)
-        return jax.tree_util.tree_unflatten(self._out_tree, outs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        call = self._fn._normalize(args, kwargs)
-        flat, _ = jax.tree_util.tree_flatten((call.dyn_args, call.dyn_kwargs))
-        return self.call_flat(flat)
-
-    @property
-    def num_executables(self) -> int:
-        """Distinct XLA executables (identical fragments share one)."""
-        return self._exe.num_executables
-
-    def record(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        """Run once and return ``(outputs, timeline)``: a measured
-        :class:`multimesh.schedules.Timeline` (per-fragment start/end in µs, peak live
-        bytes and microbatches per submesh), plottable and exportable as a Chrome trace."""
-        call = self._fn._normalize(args, kwargs)
-        flat, _ = jax.tree_util.tree_flatten((call.dyn_args, call.dyn_kwargs))
-        outs, tl = self._exe.record(flat)
-        return jax.tree_util.tree_unflatten(self._out_tree, outs), tl
+_ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
 class MpmdFunction:
@@ -202,9 +58,12 @@ class MpmdFunction:
         static_argnums: Sequence[int],
         static_argnames: Sequence[str],
         donate_argnums: Sequence[int],
+        donate_argnames: Sequence[str],
         in_shardings: Any,
         out_shardings: Any,
     ) -> None:
+        if not callable(fun):
+            raise TypeError(f"mm.jit needs a callable, got {type(fun).__name__}.")
         if mesh is not None and not isinstance(mesh, MultiMesh):
             if isinstance(mesh, Mesh):
                 raise TypeError(
@@ -215,138 +74,214 @@ class MpmdFunction:
         self._task_rules = task_rules
         if task_rules is not None:
             Rules(task_rules)  # validate early
-        if out_shardings is not None:
-            raise NotImplementedError(
-                "out_shardings is not supported yet: outputs stay on the submesh that "
-                "produced them; use jax.device_put on the results to move them."
-            )
         functools.update_wrapper(self, fun)
         self.fun = fun
         self._mesh = mesh
-        self._static_argnums = tuple(int(i) for i in static_argnums)
-        self._static_argnames = tuple(static_argnames)
-        self._donate_argnums = tuple(int(i) for i in donate_argnums)
+        self._signature = Signature(
+            fun, static_argnums, static_argnames, donate_argnums, donate_argnames
+        )
         self._in_shardings = in_shardings
-        self._cache: dict[Hashable, Compiled] = {}
-        try:
-            self._sig = inspect.signature(fun)
-        except (TypeError, ValueError):
-            self._sig = None
-        params = list(self._sig.parameters) if self._sig is not None else []
-        self._static_names = set(self._static_argnames) | {
-            params[i] for i in self._static_argnums if i < len(params)
-        }
-        self._static_pos = set(self._static_argnums) | {
-            i for i, p in enumerate(params) if p in self._static_argnames
-        }
+        self._out_shardings = out_shardings
+        _check_sharding_tree(in_shardings, "in_shardings")
+        _check_sharding_tree(out_shardings, "out_shardings")
+        if mesh is not None:
+            self._check_stage_axis(mesh)
+        self._lock = threading.RLock()
+        self._cache: dict[Hashable, Compiled] = {}  # full signature -> program
+        self._variants: dict[Hashable, list[Compiled]] = {}  # abstract signature -> programs
+        self._traces: dict[Hashable, Traced] = {}
+        self._exe_cache: dict[Any, Any] = {}  # fragment -> XLA executable
+        self._fun_name = getattr(fun, "__name__", type(fun).__name__)
 
     @property
     def multimesh(self) -> MultiMesh | None:
         return self._mesh if self._mesh is not None else active_multimesh()
 
-    # -- arguments --------------------------------------------------------------------
+    def _check_stage_axis(self, mmesh: MultiMesh) -> None:
+        for what, tree in (
+            ("in_shardings", self._in_shardings),
+            ("out_shardings", self._out_shardings),
+        ):
+            for s in jax.tree_util.tree_leaves(tree, is_leaf=_is_spec):
+                if isinstance(s, PartitionSpec):
+                    check_no_stage_axis(s, mmesh.stage_axis, f"mm.jit({what}=...)")
 
-    def _normalize(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
-        static_pos = sorted(i for i in self._static_pos if i < len(args))
-        statics = tuple((i, args[i]) for i in static_pos)
-        skw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self._static_names))
-        dyn_args = tuple(a for i, a in enumerate(args) if i not in self._static_pos)
-        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self._static_names}
+    # -- keys and caches ----------------------------------------------------------------
+
+    def _flatten(self, call: Call) -> tuple[list[Any], Any]:
+        return jax.tree_util.tree_flatten((call.dyn_args, call.dyn_kwargs))
+
+    def _keys(self, call: Call, flat: list[Any]) -> list[tuple[Any, ...]]:
         try:
-            hash((statics, skw))
-        except TypeError as e:
-            raise TypeError(
-                f"static arguments of mm.jit must be hashable; got {statics + skw}"
-            ) from e
-        nargs = len(args)
+            return [leaf_key(x) for x in flat]
+        except DeletedArgument:
+            names = self._signature.leaf_names(call)
+            bad = next(i for i, x in enumerate(flat) if isinstance(x, jax.Array) and x.is_deleted())
+            raise deleted_error(names[bad]) from None
 
-        def rebuild(dargs: tuple[Any, ...], dkw: dict[str, Any]):
-            it = iter(dargs)
-            sd = dict(statics)
-            full = tuple(sd[i] if i in sd else next(it) for i in range(nargs))
-            return full, {**dkw, **dict(skw)}
+    def _mesh_key(self) -> Any:
+        return 0 if self._mesh is not None else self.multimesh
 
-        return _Call(dyn_args, dyn_kwargs, (statics, skw, nargs), rebuild)
+    def _register(self, key: Hashable, compiled: Compiled) -> None:
+        """Seed the call cache (``Lowered.compile`` calls this)."""
+        with self._lock:
+            self._cache[key] = compiled
+            akey = _abstract(key)
+            variants = self._variants.setdefault(akey, [])
+            if compiled not in variants:
+                variants.append(compiled)
 
-    def _donated_leaves(self, call: _Call, in_tree: Any) -> frozenset[int]:
-        if not self._donate_argnums:
-            return frozenset()
-        out: set[int] = set()
-        pos = 0
-        dyn_index = [i for i in range(call.static[2]) if i not in self._static_pos]
-        for k, a in enumerate(call.dyn_args):
-            n = len(jax.tree_util.tree_leaves(a))
-            if dyn_index[k] in self._donate_argnums:
-                out.update(range(pos, pos + n))
-            pos += n
-        return frozenset(out)
+    def _cache_size(self) -> int:
+        """Distinct compiled programs (as ``jax.jit``'s ``_cache_size``)."""
+        return len({id(c) for c in self._cache.values()})
 
-    def _put_shardings(self, labels: Labels, in_tree: Any, n: int) -> list[Any]:
+    def clear_cache(self) -> None:
+        """Forget every trace and compiled program."""
+        with self._lock:
+            self._cache.clear()
+            self._variants.clear()
+            self._traces.clear()
+            self._exe_cache.clear()
+
+    # -- tracing ------------------------------------------------------------------------
+
+    def _trace(self, call: Call, flat: list[Any], in_tree: Any, tkey: Hashable) -> Traced:
+        traced = self._traces.get(tkey)
+        if traced is not None:
+            return traced
+        mmesh = self.multimesh
+        out_tree_box: list[Any] = []
+        fun, rebuild, fname = self.fun, call.rebuild, self._fun_name
+
+        def flat_fun(*leaves: Any) -> list[Any]:
+            args, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+            args, kwargs = rebuild(args, kwargs)
+            out = fun(*args, **kwargs)
+            paths, tree = jax.tree_util.tree_flatten_with_path(out)
+            for path, leaf in paths:
+                if not isinstance(leaf, _ARRAY_LIKE):
+                    raise TypeError(
+                        f"mm.jit: output{jax.tree_util.keystr(path)} of {fname!r} is a "
+                        f"{type(leaf).__name__}, not an array. Return arrays (or pytrees of "
+                        "arrays); keep other values outside the jitted function."
+                    )
+            out_tree_box.append(tree)
+            return [leaf for _, leaf in paths]
+
+        tok = set_active(mmesh)
+        try:
+            state = TraceState(mmesh)
+            with _compat.no_mesh_context(), tracing(state), contextlib.ExitStack() as es:
+                if mmesh is not None:  # as in the reference, `with mmesh: jax.jit(f)`
+                    es.enter_context(_compat.use_abstract_mesh(mmesh.mesh.abstract_mesh))
+                closed = jax.make_jaxpr(flat_fun)(*[trace_arg(x) for x in flat])
+        finally:
+            reset_active(tok)
+        prog: FlatProgram = inline.flatten(closed)
+        rules = Rules(self._task_rules) if self._task_rules is not None else None
+        chunks = (
+            max([1] + [lp.schedule.chunks(mmesh.num_stages, 1 << 20) for lp in state.loops])
+            if mmesh is not None
+            else 1
+        )
+        labels: Labels = label.label(prog, mmesh, rules, chunks)
+        traced = Traced(
+            jaxpr=closed,
+            in_tree=in_tree,
+            out_tree=out_tree_box[-1],
+            out_avals=[v.aval for v in closed.jaxpr.outvars],
+            loops=state.loops,
+            prog=prog,
+            labels=labels,
+            scope_stages=dict(rules.assigned) if rules is not None else {},
+        )
+        self._traces[tkey] = traced
+        return traced
+
+    def _out_sharding_leaves(self, traced: Traced) -> list[Any]:
+        n = traced.out_tree.num_leaves
+        if self._out_shardings is None:
+            return [None] * n
+        dummy = jax.tree_util.tree_unflatten(traced.out_tree, [0] * n)
+        return broadcast_prefix(
+            self._out_shardings, dummy, f"mm.jit(out_shardings=...) of {self._fun_name!r}"
+        )
+
+    def _put_shardings(self, labels: Labels, call: Call, flat: list[Any]) -> list[Any]:
         """Per flat leaf: a function stage -> sharding for host inputs (or None)."""
         if self._in_shardings is None:
-            return [None] * n
-        args_tree, _kw = jax.tree_util.tree_unflatten(in_tree, [0] * n)
-        specs = self._in_shardings
-        if not isinstance(specs, (tuple, list)) or len(specs) != len(args_tree):
-            specs = (specs,) * len(args_tree) if not isinstance(specs, (tuple, list)) else specs
-        leaves: list[Any] = []
-        for a, s in zip(args_tree, specs):
-            nleaves = len(jax.tree_util.tree_leaves(a))
-            if s is None or isinstance(s, (NamedSharding, jax.sharding.PartitionSpec)):
-                leaves.extend([s] * nleaves)
-            else:
-                sl = jax.tree_util.tree_leaves(
-                    s,
-                    is_leaf=lambda x: (
-                        x is None or isinstance(x, (NamedSharding, jax.sharding.PartitionSpec))
-                    ),
-                )
-                leaves.extend(sl if len(sl) == nleaves else [None] * nleaves)
-        stage_axis = self.multimesh.stage_axis if self.multimesh is not None else None
+            return [None] * len(flat)
+        names = self._signature.leaf_names(call)
+        leaves = in_sharding_leaves(self._in_shardings, call, names)
+        mmesh = self.multimesh
+        stage_axis = mmesh.stage_axis if mmesh is not None else None
+        for name, s in zip(names, leaves):
+            check_no_stage_axis(s, stage_axis, f"in_shardings for argument {name}")
 
-        def chooser(s: Any) -> Any:
+        def chooser(s: Any, name: str) -> Any:
             if s is None:
                 return None
 
             def pick(stage: int) -> Any:
-                mesh = labels.targets[stage].mesh
-                if isinstance(s, jax.sharding.PartitionSpec):
-                    return NamedSharding(mesh, s)
-                if stage_axis is not None and stage_axis in s.mesh.axis_names:
-                    return NamedSharding(mesh, s.spec)
-                if frozenset(d.id for d in s.device_set) == frozenset(
-                    labels.targets[stage].device_ids
-                ):
-                    return s
-                return NamedSharding(mesh, s.spec)
+                target = labels.targets[stage]
+                mesh = target.mesh
+                if isinstance(s, PartitionSpec):
+                    spec = s
+                elif isinstance(s, NamedSharding):
+                    if frozenset(d.id for d in s.device_set) == frozenset(target.device_ids):
+                        return s
+                    spec = s.spec
+                else:
+                    raise ValueError(
+                        f"in_shardings for argument {name}: {s} is not on the submesh that "
+                        f"uses it (stage {stage}, devices {list(target.device_ids)}); give a "
+                        "PartitionSpec, or a NamedSharding on the global or that submesh."
+                    )
+                missing = [a for a in sorted(_spec_axes(spec)) if a not in mesh.axis_names]
+                if missing:
+                    raise ValueError(
+                        f"in_shardings for argument {name}: {spec} names {missing}, which "
+                        f"the submesh of stage {stage} (axes {tuple(mesh.axis_names)}) lacks."
+                    )
+                return NamedSharding(mesh, spec)
 
             return pick
 
-        return [chooser(s) for s in leaves]
+        return [chooser(s, n) for s, n in zip(leaves, names)]
 
     # -- entry points -----------------------------------------------------------------
 
-    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
-        """Trace and plan for these arguments (no XLA compilation yet)."""
-        call = self._normalize(args, kwargs)
-        flat, in_tree = jax.tree_util.tree_flatten((call.dyn_args, call.dyn_kwargs))
-        return Lowered(self, call, flat, in_tree)
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        call = self._signature.normalize(args, kwargs)
+        flat, in_tree = self._flatten(call)
+        keys = self._keys(call, flat)
+        key = (in_tree, call.static, self._mesh_key(), tuple(keys))
+        return call, flat, in_tree, keys, key
 
-    def _compiled_for(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Compiled, list[Any]]:
-        call = self._normalize(args, kwargs)
-        flat, in_tree = jax.tree_util.tree_flatten((call.dyn_args, call.dyn_kwargs))
-        key = (
-            in_tree,
-            call.static,
-            id(self.multimesh) if self._mesh is None else 0,
-            tuple(_leaf_key(x) for x in flat),
-        )
+    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+        """Trace and plan for these arguments (arrays, or ``jax.ShapeDtypeStruct``s with
+        or without shardings); ``.compile()`` compiles the fragments."""
+        call, flat, in_tree, _keys, key = self._prepare(args, kwargs)
+        return self._lower(call, flat, in_tree, key)
+
+    def _lower(self, call: Call, flat: list[Any], in_tree: Any, key: Hashable) -> Lowered:
+        traced = self._trace(call, flat, in_tree, _abstract(key))
+        return Lowered(self, call, flat, traced, key, self._out_sharding_leaves(traced))
+
+    def _compiled_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        call, flat, in_tree, keys, key = self._prepare(args, kwargs)
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = Lowered(self, call, flat, in_tree).compile()
-            self._cache[key] = compiled
+            with self._lock:
+                compiled = self._cache.get(key)
+                if compiled is None:
+                    for c in self._variants.get(_abstract(key), ()):
+                        if c.accepts(keys):
+                            compiled = c
+                            self._cache[key] = c
+                            break
+                if compiled is None:
+                    compiled = self._lower(call, flat, in_tree, key).compile()
         return compiled, flat
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -354,10 +289,41 @@ class MpmdFunction:
         return compiled.call_flat(flat)
 
     def record(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        """Like calling, but also returns the measured timeline of this step
-        (see :meth:`Compiled.record`)."""
-        compiled, _ = self._compiled_for(args, kwargs)
-        return compiled.record(*args, **kwargs)
+        """Like calling, but also returns the measured timeline of this step (see
+        :meth:`Compiled.record`). Compiles first if needed; compilation is not part of
+        the timeline."""
+        compiled, flat = self._compiled_for(args, kwargs)
+        outs, tl = compiled._exe.record(flat)
+        return jax.tree_util.tree_unflatten(compiled.out_tree, outs), tl
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The outputs' shapes and dtypes (tasks are transparent: no compilation)."""
+        return jax.eval_shape(self.fun, *args, **kwargs)
+
+
+def _abstract(key: Hashable) -> Hashable:
+    """The part of a signature that tracing depends on (no placements)."""
+    in_tree, static, mesh_key, keys = key  # type: ignore[misc]
+    return (in_tree, static, mesh_key, tuple(k[:3] for k in keys))
+
+
+def _spec_axes(spec: PartitionSpec) -> set[str]:
+    out: set[str] = set()
+    for e in spec:
+        if isinstance(e, str):
+            out.add(e)
+        elif isinstance(e, tuple):
+            out.update(x for x in e if isinstance(x, str))
+    return out
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, (PartitionSpec, jax.sharding.Sharding))
+
+
+def _check_sharding_tree(tree: Any, what: str) -> None:
+    for s in jax.tree_util.tree_leaves(tree, is_leaf=_is_spec):
+        check_spec_value(s, f"mm.jit({what}=...)")
 
 
 def jit(
@@ -368,23 +334,35 @@ def jit(
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
     in_shardings: Any = None,
     out_shardings: Any = None,
 ) -> MpmdFunction:
-    """Compile ``fun`` as one MPMD program whose tasks run on their submeshes."""
-    if isinstance(static_argnums, int):
-        static_argnums = (static_argnums,)
-    if isinstance(static_argnames, str):
-        static_argnames = (static_argnames,)
-    if isinstance(donate_argnums, int):
-        donate_argnums = (donate_argnums,)
+    """Compile ``fun`` as one MPMD program whose tasks run on their submeshes.
+
+    Arguments mean what they mean for ``jax.jit``: ``static_argnums``/``static_argnames``
+    (hashable, part of the cache key; negative indices count from the end),
+    ``donate_argnums``/``donate_argnames`` (buffers reused by the program; donated
+    arrays are deleted), ``in_shardings`` (where host inputs are put: one entry for all
+    arguments or a tuple with a pytree prefix per positional argument; a bare
+    ``PartitionSpec`` means the submesh that uses the value) and ``out_shardings`` (a
+    pytree prefix of the outputs: a ``PartitionSpec`` on the producing submesh, a
+    ``NamedSharding`` on a submesh or on the global mesh, ``None`` = where produced).
+    ``mesh`` is the MultiMesh (default: the one active via ``with mmesh:``);
+    ``task_rules`` ``{regex: stage}`` place named scopes without editing the model.
+    """
+
+    def tup(v: Any) -> tuple[Any, ...]:
+        return (v,) if isinstance(v, (int, str)) else tuple(v)
+
     return MpmdFunction(
         fun,
         mesh,
         task_rules,
-        static_argnums,
-        static_argnames,
-        donate_argnums,
+        tup(static_argnums),
+        tup(static_argnames),
+        tup(donate_argnums),
+        tup(donate_argnames),
         in_shardings,
         out_shardings,
     )

@@ -9,6 +9,7 @@ axes are the remaining axes in order. Inside a task, ordinary JAX sharding (bare
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,7 +48,8 @@ class MultiMesh:
         self.stage_axis = stage_axis
         self._stage_dim = tuple(mesh.axis_names).index(stage_axis)
         self._submeshes = [self._slice(i) for i in range(self.num_stages)]
-        self._tokens: list[Any] = []
+        # per-thread stack of entered contexts: `with mmesh:` may run in several threads
+        self._local = threading.local()
 
     def _slice(self, i: int) -> Mesh:
         devs = np.take(self.mesh.devices, i, axis=self._stage_dim)
@@ -75,14 +77,15 @@ class MultiMesh:
         return list(self.mesh.devices.flat)
 
     def __enter__(self) -> MultiMesh:
+        stack = self._local.__dict__.setdefault("stack", [])
         tok = _ACTIVE.set(self)
         cm = _compat.set_mesh(self.mesh)
         cm.__enter__()
-        self._tokens.append((tok, cm))
+        stack.append((tok, cm))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        tok, cm = self._tokens.pop()
+        tok, cm = self._local.stack.pop()
         cm.__exit__(*exc)
         _ACTIVE.reset(tok)
 

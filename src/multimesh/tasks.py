@@ -5,8 +5,9 @@ JAX's name stacks, its gradient) as belonging to submesh 0. A task is a
 ``jax.named_scope`` whose name carries a reserved marker (``<name>@mm:s<stage>`` or
 ``<name>@mm:m<mesh id>``); no custom primitive is needed, so tasks survive ``grad``,
 ``vmap``, ``checkpoint`` and Flax. Outside ``mm.jit`` a task is transparent: the
-program runs as ordinary JAX. While ``mm.jit`` traces, a task also sets the abstract
-mesh to its submesh, so bare ``PartitionSpec``s and ``shard_map`` refer to it.
+program runs as ordinary JAX, with or without an active MultiMesh. While ``mm.jit``
+traces, shardings inside a task refer to the mesh the reference sees (the global mesh,
+or the task's ``mesh=``); the compiler rewrites them to the task's submesh.
 """
 
 from __future__ import annotations
@@ -147,8 +148,11 @@ def _check_mesh(mesh: Any, name: str, mmesh: MultiMesh | None) -> Mesh:
     return mesh
 
 
-def resolve(name: str, stage: Any, mesh: Any) -> tuple[str, Mesh]:
-    """Validate a task's arguments; return its marker scope name and its submesh."""
+def resolve(name: str, stage: Any, mesh: Any) -> tuple[str, Mesh | None]:
+    """Validate a task's arguments; return its marker scope name and its submesh.
+
+    Outside ``mm.jit`` with no active MultiMesh the submesh is ``None``: the task is
+    only a named scope (tasks are transparent)."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"a task name must be a non-empty str, got {name!r}.")
     if MARKER in name:
@@ -166,37 +170,53 @@ def resolve(name: str, stage: Any, mesh: Any) -> tuple[str, Mesh]:
     if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)):
         raise TypeError(f"task {name!r}: stage must be an int, got {stage!r}.")
     stage = int(stage)
+    if stage < 0:
+        raise ValueError(f"task {name!r}: stage={stage} is out of range; stages start at 0.")
     if mmesh is None:
-        raise ValueError(
-            f"task {name!r}: stage={stage} needs an active MultiMesh; pass mesh=mmesh to "
-            "mm.jit, or wrap the call in `with mmesh:`."
-        )
+        if state is not None:
+            raise ValueError(
+                f"task {name!r}: stage={stage} needs a MultiMesh under mm.jit; pass "
+                "mesh=mmesh to mm.jit, or call it inside `with mmesh:`."
+            )
+        return f"{name}{MARKER}s{stage}", None  # transparent: a named scope only
     limit = mmesh.num_stages
     sched = _VIRTUAL.get()
     if sched is not None:
         limit = mmesh.num_stages * sched.chunks(mmesh.num_stages, 1 << 30)
-    if not 0 <= stage < limit:
-        hint = (
-            f"valid: 0..{limit - 1} ({limit // mmesh.num_stages} virtual stages per submesh)"
-            if limit > mmesh.num_stages
-            else f"valid: 0..{mmesh.num_stages - 1}; more stages than submeshes need "
-            "an interleaved schedule"
-        )
-        raise ValueError(
-            f"task {name!r}: stage={stage} is out of range; the MultiMesh has "
-            f"{mmesh.num_stages} stages ({hint})."
-        )
+    check_stage_range(name, stage, mmesh.num_stages, limit)
     return f"{name}{MARKER}s{stage}", mmesh.submesh(stage % mmesh.num_stages)
+
+
+def check_stage_range(name: str, stage: int, num_stages: int, limit: int) -> None:
+    """Raise a clear error if ``stage`` is not a valid (virtual) stage."""
+    if 0 <= stage < limit:
+        return
+    hint = (
+        f"valid: 0..{limit - 1} ({limit // num_stages} virtual stages per submesh)"
+        if limit > num_stages
+        else f"valid: 0..{num_stages - 1}; more stages than submeshes need an interleaved schedule"
+    )
+    raise ValueError(
+        f"task {name!r}: stage={stage} is out of range; the MultiMesh has "
+        f"{num_stages} stages ({hint})."
+    )
 
 
 class _Task:
     """Context manager (and decorator) placing traced code on one submesh."""
 
-    def __init__(self, name: str, stage: int | None, mesh: Mesh | None) -> None:
+    def __init__(self, name: str | None, stage: int | None, mesh: Mesh | None) -> None:
         self.name, self.stage, self.mesh = name, stage, mesh
-        self._stack: list[tuple[contextlib.ExitStack, contextvars.Token]] = []
+        # per-thread stack of open entries: one task object may be entered by several
+        # threads at once (e.g. a decorated function traced concurrently)
+        self._local = threading.local()
 
     def __enter__(self) -> _Task:
+        if self.name is None:
+            raise TypeError(
+                "mm.task needs a name when used as a context manager: "
+                "with mm.task('name', stage=...):"
+            )
         outer = _CURRENT.get()
         if outer is not None:
             raise ValueError(
@@ -207,7 +227,7 @@ class _Task:
         es = contextlib.ExitStack()
         es.enter_context(jax.named_scope(scope))
         state = trace_state()
-        if state is not None:
+        if state is not None and submesh is not None:
             # Shardings traced inside the task refer to the mesh the reference sees (the
             # global mesh for stage= tasks, the task's mesh for mesh= tasks); the
             # compiler rewrites them to the fragment's submesh.
@@ -216,15 +236,18 @@ class _Task:
                 ctx = state.multimesh.mesh
             es.enter_context(_compat.use_abstract_mesh((ctx or submesh).abstract_mesh))
         tok = _CURRENT.set(self.name)
-        self._stack.append((es, tok))
+        self._local.__dict__.setdefault("stack", []).append((es, tok))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        es, tok = self._stack.pop()
+        es, tok = self._local.stack.pop()
         _CURRENT.reset(tok)
         es.__exit__(*exc)
 
     def __call__(self, fn: F) -> F:
+        if self.name is None:  # @mm.task(stage=1): the task takes the function's name
+            return _Task(getattr(fn, "__name__", None) or "task", self.stage, self.mesh)(fn)
+
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             with self:
@@ -240,7 +263,9 @@ def task(
     fn: F, *, name: str | None = None, stage: int | None = None, mesh: Mesh | None = None
 ) -> F: ...
 @overload
-def task(*, name: str, stage: int | None = None, mesh: Mesh | None = None) -> _Task: ...
+def task(
+    *, name: str | None = None, stage: int | None = None, mesh: Mesh | None = None
+) -> _Task: ...
 
 
 def task(
@@ -254,8 +279,10 @@ def task(
 
     ``with mm.task("embed", stage=0): ...`` or ``mm.task(fn, stage=0)``. Give exactly
     one of ``stage`` (an index into the active MultiMesh) or ``mesh`` (a
-    ``jax.sharding.Mesh`` whose devices belong to the program). Outside ``mm.jit`` a
-    task is transparent.
+    ``jax.sharding.Mesh`` whose devices belong to the program). As a decorator without
+    a name (``@mm.task(stage=1)``) the task takes the function's name. Outside
+    ``mm.jit`` a task is transparent: only a named scope, so the function runs as plain
+    JAX anywhere (eagerly, under ``jax.jit`` on one device, under ``grad``/``vmap``).
     """
     if callable(name_or_fn) and not isinstance(name_or_fn, str):
         fn = name_or_fn
@@ -269,8 +296,6 @@ def task(
     if name_or_fn is not None and name is not None:
         raise TypeError("give the task name once: mm.task('name', ...) or mm.task(name='name').")
     tname = name_or_fn if name_or_fn is not None else name
-    if tname is None:
-        raise TypeError("mm.task needs a name: mm.task('name', stage=...).")
     if (stage is None) == (mesh is None):
         raise ValueError(
             f"task {tname!r}: give exactly one of stage= or mesh=; "

@@ -15,7 +15,7 @@ from multimesh import _compat
 from multimesh.compiler.inline import _sub_jaxprs, eqn_tasks, inner_tasks
 from multimesh.compiler.ir import FlatProgram, Labels, Target
 from multimesh.mesh import MultiMesh
-from multimesh.tasks import TaskRef
+from multimesh.tasks import TaskRef, check_stage_range
 
 _compat.register_exclusion(__file__)
 
@@ -65,7 +65,15 @@ def label(
 
     def target_of(ref: TaskRef) -> int:
         if ref.mesh is None:
-            assert mmesh is not None
+            if mmesh is None:
+                raise ValueError(
+                    f"task {ref.name!r}: stage={ref.stage} needs a MultiMesh under mm.jit; "
+                    "pass mesh=mmesh to mm.jit, or call it inside `with mmesh:`."
+                )
+            # a task traced earlier (e.g. a cached nested jit) is checked here too
+            check_stage_range(
+                ref.name, ref.stage, mmesh.num_stages, mmesh.num_stages * virtual_stages
+            )
             return ref.stage % mmesh.num_stages  # virtual stage -> submesh
         mesh: Mesh = ref.mesh
         ids = tuple(int(d.id) for d in mesh.devices.flat)

@@ -21,6 +21,7 @@ from multimesh import _compat
 from multimesh.compiler import shardings as shard_pass
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.plan import Plan
+from multimesh.runtime import outputs as out_pass
 from multimesh.runtime import transfer as tr
 from multimesh.runtime.inputs import InputInfo
 
@@ -47,6 +48,9 @@ class Executable:
         donated: frozenset[int],
         stage_axis: str | None,
         global_mesh: Any,
+        out_shardings: Sequence[Any] | None = None,
+        compiler_options: dict[str, Any] | None = None,
+        exe_cache: dict[Any, Any] | None = None,
     ) -> None:
         self.plan = plan
         self._stage_axis = stage_axis or "stage"
@@ -54,14 +58,25 @@ class Executable:
         slot_sh: dict[int, jax.sharding.Sharding] = {}
         template: list[Any] = [None] * plan.num_slots
         steps: list[tuple[Any, ...]] = []
-        as_is_arg: dict[int, int] = {}
-        multi_out: set[int] = {
-            i
-            for kind, *rest in plan.outputs
-            if kind == "slots"
-            for i in (rest[0] if len(rest[0]) > 1 else [])
-        }
         slot_var = {sid: var for (var, _s), sid in plan.slots.items()}
+        slot_stage = {sid: s for (_v, s), sid in plan.slots.items()}
+        n_out = len(plan.outputs)
+        wanted = list(out_shardings) if out_shardings is not None else [None] * n_out
+        requests = [
+            out_pass.resolve(w, targets, stage_axis, global_mesh, f"out_shardings for output {k}")
+            for k, w in enumerate(wanted)
+        ]
+        # what each fragment output slot that is a program output should be made as
+        force_sh: dict[int, jax.sharding.Sharding] = {}
+        for out, req in zip(plan.outputs, requests):
+            if out[0] != "slots":
+                continue
+            ids = out[1]
+            for i in ids:
+                if slot_stage[i] in req.per_stage:
+                    force_sh[i] = req.per_stage[slot_stage[i]]
+                elif len(ids) > 1:  # replicated over several submeshes: assemble one array
+                    force_sh[i] = NamedSharding(targets[slot_stage[i]].mesh, PartitionSpec())
         mb_of_var: dict[Any, Any] = {}
         if labels.microbatch:
             for i, e in enumerate(prog.eqns):
@@ -72,8 +87,12 @@ class Executable:
         self.slot_microbatch = {sid: mb_of_var.get(v) for sid, v in slot_var.items()}
         self.compiled: list[Any] = []
         self._run_index: list[int] = []  # step index of each fragment's run
-        cache: dict[Any, Any] = {}
+        cache: dict[Any, Any] = exe_cache if exe_cache is not None else {}
+        options = dict(compiler_options or {})
+        opt_key = tuple(sorted((k, str(v)) for k, v in options.items()))
         owned: set[int] = set()  # slots holding buffers only the runtime references
+        donatable: set[int] = set()  # input slots of donated arguments
+        borrowed: set[int] = set()  # slots holding the caller's buffers (or constants)
         #: slots whose buffers are donated to a later fragment (invalid after it runs)
         self.donated_slots: set[int] = set()
 
@@ -88,11 +107,13 @@ class Executable:
                         targets,
                         slot_sh,
                         template,
-                        as_is_arg,
                         prog,
                         slot_var,
+                        donated,
+                        donatable,
                     )
                 )
+                borrowed.update(sid for _ip, sid in st.items)
             elif st.kind == "run":
                 f = plan.frags[st.fragment]
                 info = plan.fragments[st.fragment]
@@ -117,7 +138,7 @@ class Executable:
                 in_sh = tuple(slot_sh[i] for i in in_ids)
                 # a fragment without inputs would run on the default device: pin it
                 out_sh = tuple(
-                    NamedSharding(mesh, PartitionSpec()) if i in multi_out or not in_ids else None
+                    force_sh.get(i, NamedSharding(mesh, PartitionSpec()) if not in_ids else None)
                     for i in out_ids
                 )
                 # donate at last use: user-donated inputs, and our own intermediates
@@ -125,11 +146,10 @@ class Executable:
                 out_avals = [(tuple(v.aval.shape), v.aval.dtype) for v, _ in f.outputs]
                 donate_l = []
                 for k, i in enumerate(in_ids):
-                    if i not in st.free or i in multi_out:
+                    if i not in st.free:
                         continue
-                    if i in as_is_arg:
-                        if as_is_arg[i] in donated:
-                            donate_l.append(k)
+                    if i in donatable:
+                        donate_l.append(k)
                         continue
                     if i in owned:
                         key_av = (tuple(slot_var[i].aval.shape), slot_var[i].aval.dtype)
@@ -148,24 +168,25 @@ class Executable:
                     )
                     for (v, _), sh in zip(f.inputs, in_sh)
                 ]
-                # identical fragments (e.g. one stage's work for each microbatch) share
-                # one executable
-                key = (str(jaxpr), in_sh, out_sh, donate, tuple(avals))
+                # identical fragments (e.g. one stage's work for each microbatch, or the
+                # same program planned for other input placements) share one executable
+                key = (str(jaxpr), in_sh, out_sh, donate, tuple(avals), opt_key)
                 compiled = cache.get(key)
                 if compiled is None:
-                    with warnings.catch_warnings():
+                    with warnings.catch_warnings(), _compat.no_mesh_context():
                         warnings.filterwarnings(
                             "ignore", message=".*donated buffers were not usable.*"
                         )
+                        lowered = jax.jit(
+                            body,
+                            in_shardings=in_sh,
+                            out_shardings=out_sh,
+                            donate_argnums=donate,
+                        ).lower(*avals)
                         compiled = (
-                            jax.jit(
-                                body,
-                                in_shardings=in_sh,
-                                out_shardings=out_sh,
-                                donate_argnums=donate,
-                            )
-                            .lower(*avals)
-                            .compile()
+                            lowered.compile(compiler_options=options)
+                            if options
+                            else lowered.compile()
                         )
                     cache[key] = compiled
                 self.compiled.append(compiled)
@@ -182,7 +203,22 @@ class Executable:
                 steps[-1] = (*steps[-1][:4], tuple(st.free))
         self._steps = steps
         self._template = template
-        self._outs = [self._output_fn(o, slot_sh, targets, slot_var) for o in plan.outputs]
+        self._outs: list[Callable[[list[Any]], Any] | None] = []
+        literals: list[tuple[int, Any, Any]] = []
+        for k, (out, req) in enumerate(zip(plan.outputs, requests)):
+            if out[0] == "literal":
+                literals.append((k, out[1], out[2]))
+                self._outs.append(None)
+                continue
+            ids = out[1]
+            shape = tuple(slot_var[ids[0]].aval.shape)
+            self._outs.append(
+                out_pass.output_fn(ids, req, slot_sh, slot_stage, borrowed, shape, self._stage_axis)
+            )
+        self._literal_pos = [k for k, _v, _a in literals]
+        self._literals = out_pass.literal_fn(
+            literals, NamedSharding(targets[0].mesh, PartitionSpec()), requests
+        )
 
     # -- steps ------------------------------------------------------------------------
 
@@ -195,14 +231,15 @@ class Executable:
         targets,
         slot_sh,
         template,
-        as_is_arg,
         prog,
         slot_var,
+        donated,
+        donatable,
     ):
-        as_is: list[tuple[int, int]] = []
-        extracts: list[tuple[int, int, tuple[int, ...], NamedSharding, tuple[int, ...]]] = []
-        puts: list[tuple[int, int]] = []
-        put_sh: list[jax.sharding.Sharding] = []
+        """Per argument: where its value must be (one slot per stage that needs it), and
+        its *home* sharding: an argument that already has it is used in place (or sliced
+        per submesh, sharing buffers); anything else is put with one ``device_put``."""
+        per_arg: dict[int, list[tuple[int, Any]]] = {}
         for ip, sid in st.items:
             mesh = targets[ip.stage].mesh
             if ip.mode == "const":
@@ -210,18 +247,12 @@ class Executable:
                 sh = NamedSharding(mesh, PartitionSpec())
                 template[sid] = jax.device_put(val, sh)
                 slot_sh[sid] = template[sid].sharding
-            elif ip.mode == "as_is":
-                as_is.append((sid, ip.arg))
-                as_is_arg[sid] = ip.arg
-                slot_sh[sid] = sample_args[ip.arg].sharding
+                continue
+            if ip.mode == "as_is":
+                sh = sample_args[ip.arg].sharding
             elif ip.mode == "extract":
-                x = sample_args[ip.arg]
                 spec = dict(infos[ip.arg].extract_specs)[ip.stage]
                 sh = NamedSharding(mesh, spec)
-                order = [int(s.device.id) for s in x.addressable_shards]
-                pos = tuple(order.index(int(d.id)) for d in sh._device_assignment)  # noqa: SLF001
-                extracts.append((sid, ip.arg, pos, sh, tuple(x.shape)))
-                slot_sh[sid] = sh
             else:
                 chooser = put_shardings[ip.arg]
                 sh = (
@@ -229,24 +260,61 @@ class Executable:
                     if chooser is not None
                     else NamedSharding(mesh, PartitionSpec())
                 )
-                puts.append((sid, ip.arg))
-                put_sh.append(sh)
-                slot_sh[sid] = sh
-        puts_ids = tuple(s for s, _ in puts)
-        puts_args = tuple(a for _, a in puts)
-        put_avals = [slot_var[s].aval for s in puts_ids]
+            slot_sh[sid] = sh
+            per_arg.setdefault(ip.arg, []).append((sid, sh))
+        leaves = []
+        #: per argument with input slots: the sharding it is used in place with (or None)
+        self.homes: dict[int, Any] = {}
+        for a, tgts in per_arg.items():
+            mode = infos[a].mode
+            shs = [sh for _sid, sh in tgts]
+            if mode in ("as_is", "extract"):
+                home = sample_args[a].sharding
+            elif len(tgts) == 1:
+                home = shs[0]
+            else:
+                home = tr.union_sharding(shs, self._stage_axis)
+            self.homes[a] = home
+            direct: list[int] = []
+            extracts: list[tuple[int, Any, tuple[int, ...]]] = []
+            if home is not None:
+                home_ids = _compat.addressable_device_ids(home)
+                for sid, sh in tgts:
+                    if sh == home:
+                        direct.append(sid)
+                    else:
+                        pos = tuple(home_ids.index(d) for d in _compat.addressable_device_ids(sh))
+                        extracts.append((sid, sh, pos))
+            if a in donated and len(tgts) == 1 and not extracts:
+                donatable.add(tgts[0][0])
+            aval = slot_var[tgts[0][0]].aval
+            leaves.append((a, home, tuple(direct), tuple(extracts), tuple(tgts), aval))
+        leaves_t = tuple(leaves)
+        put = jax.device_put
+        make = jax.make_array_from_single_device_arrays
+        pieces_of = _compat.single_device_arrays
 
         def run_inputs(env: list[Any], args: Sequence[Any]) -> None:
-            for sid, a in as_is:
-                env[sid] = args[a]
-            for sid, a, pos, sh, shape in extracts:
-                pieces = _compat.single_device_arrays(args[a])
-                env[sid] = jax.make_array_from_single_device_arrays(
-                    shape, sh, [pieces[p] for p in pos]
-                )
-            if puts_ids:
-                vals = [_as_array(args[a], av) for a, av in zip(puts_args, put_avals)]
-                for sid, v in zip(puts_ids, jax.device_put(vals, put_sh)):
+            ids: list[int] = []
+            vals: list[Any] = []
+            shs: list[Any] = []
+            for a, home, direct, extracts, tgts, aval in leaves_t:
+                x = args[a]
+                if home is not None and getattr(x, "sharding", None) == home:
+                    for sid in direct:
+                        env[sid] = x
+                    if extracts:
+                        pieces = pieces_of(x)
+                        for sid, sh, pos in extracts:
+                            env[sid] = make(aval.shape, sh, [pieces[p] for p in pos])
+                    continue
+                v = _as_array(x, aval)
+                for sid, sh in tgts:
+                    ids.append(sid)
+                    vals.append(v)
+                    shs.append(sh)
+            if ids:
+                for sid, v in zip(ids, put(vals, shs)):
                     env[sid] = v
 
         return (_CALL, run_inputs, (), (), ())
@@ -275,37 +343,6 @@ class Executable:
 
         return (_CALL, run_transfer, (), (), ())
 
-    def _output_fn(self, out, slot_sh, targets, slot_var):
-        kind = out[0]
-        if kind == "literal":
-            val, aval = out[1], out[2]
-            arr = jax.device_put(
-                np.asarray(val, dtype=aval.dtype), NamedSharding(targets[0].mesh, PartitionSpec())
-            )
-            return lambda env: arr
-        ids = out[1]
-        if len(ids) == 1:
-            (i,) = ids
-            return lambda env: env[i]
-        shs = [slot_sh[i] for i in ids]
-        union = tr.union_sharding(shs, self._stage_axis)
-        if union is None:
-            i = ids[0]
-            return lambda env: env[i]
-        shape = tuple(slot_var[ids[0]].aval.shape)
-        order = [int(d.id) for d in union._device_assignment]  # noqa: SLF001
-
-        def assemble(env: list[Any]) -> jax.Array:
-            pieces: dict[int, jax.Array] = {}
-            for i in ids:
-                for p in _compat.single_device_arrays(env[i]):
-                    pieces[int(next(iter(p.devices())).id)] = p
-            return jax.make_array_from_single_device_arrays(
-                shape, union, [pieces[d] for d in order]
-            )
-
-        return assemble
-
     # -- call -------------------------------------------------------------------------
 
     @property
@@ -324,6 +361,14 @@ class Executable:
 
         return record_run(self, args)
 
+    def finish(self, env: list[Any]) -> list[Any]:
+        """The program outputs (fresh arrays) from the final environment."""
+        outs = [o(env) if o is not None else None for o in self._outs]
+        if self._literal_pos:
+            for k, v in zip(self._literal_pos, self._literals()):
+                outs[k] = v
+        return outs
+
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         env = list(self._template)
         for code, fn, ins, outs, free in self._steps:
@@ -335,7 +380,7 @@ class Executable:
                 fn(env, args)
             for i in free:
                 env[i] = None
-        return [o(env) for o in self._outs]
+        return self.finish(env)
 
 
 def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -24,18 +24,21 @@ class InputInfo:
     extract_specs: tuple[tuple[int, PartitionSpec], ...] = ()  # per stage (extract)
 
 
-def _committed(x: Any) -> bool:
-    return (
-        isinstance(x, jax.Array)
-        and getattr(x, "committed", False)
-        and not isinstance(x, jax.core.Tracer)
-    )
+def committed_sharding(x: Any) -> jax.sharding.Sharding | None:
+    """Where an argument already is: a committed array's sharding, or the sharding of a
+    ``jax.ShapeDtypeStruct`` given to ``lower`` (``None``: a host value, put anywhere)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        sh = x.sharding
+        return sh if isinstance(sh, jax.sharding.Sharding) else None
+    if isinstance(x, jax.Array) and getattr(x, "committed", False):
+        return x.sharding
+    return None
 
 
 def analyze(x: Any, targets: list[Target], stage_axis: str | None) -> InputInfo:
-    if not _committed(x):
+    sh = committed_sharding(x)
+    if sh is None:
         return InputInfo(ANY, "put")
-    sh = x.sharding
     devs = frozenset(int(d.id) for d in sh.device_set)
     for t in targets:
         if frozenset(t.device_ids) == devs and len(t.device_ids) == len(devs):

@@ -96,7 +96,7 @@ def record_run(exe: Any, args: Sequence[Any]) -> tuple[list[Any], Timeline]:
             peak_mbs[s] = max(peak_mbs[s], len(live_m[s]))
         for i in free:
             env[i] = None
-    outputs = [o(env) for o in exe._outs]
+    outputs = exe.finish(env)
     jax.block_until_ready(outputs)
     for s in stages:
         queues[s].put(None)

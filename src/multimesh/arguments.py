@@ -1,0 +1,395 @@
+"""Arguments of an ``mm.jit`` function: static and donated arguments, signature keys,
+argument names, and the ``in_shardings`` / ``out_shardings`` a user gives.
+
+``jax.jit`` semantics throughout: static arguments are hashable and part of the cache
+key (negative indices count from the end of the signature), ``in_shardings`` is one
+sharding for every argument or a tuple with one pytree prefix per positional dynamic
+argument, and ``out_shardings`` a pytree prefix of the outputs. What cannot work is a
+clear error naming the argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+from multimesh import _compat
+
+_compat.register_exclusion(__file__)
+
+_SPEC_TYPES = (Sharding, PartitionSpec)
+
+
+@dataclasses.dataclass
+class Call:
+    """A normalised call: static arguments split from dynamic ones."""
+
+    dyn_args: tuple[Any, ...]
+    dyn_kwargs: dict[str, Any]
+    static: Hashable  # the static part of the cache key
+    positions: tuple[int, ...]  # original positional index of each dynamic argument
+    rebuild: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+class Signature:
+    """What an ``mm.jit`` knows about its function's parameters."""
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        static_argnums: Sequence[int],
+        static_argnames: Sequence[str],
+        donate_argnums: Sequence[int],
+        donate_argnames: Sequence[str],
+    ) -> None:
+        try:
+            sig = inspect.signature(fun)
+        except (TypeError, ValueError):
+            sig = None
+        params = list(sig.parameters.values()) if sig is not None else []
+        positional = [
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        self.varargs = sig is None or any(p.kind == p.VAR_POSITIONAL for p in params)
+        self.param_names = positional
+        n = len(positional)
+
+        def resolve(nums: Sequence[int], what: str) -> tuple[int, ...]:
+            out = []
+            for i in nums:
+                if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+                    raise TypeError(f"mm.jit({what}=...) takes ints, got {i!r}.")
+                i = int(i)
+                if i < 0 and not self.varargs:
+                    if i < -n:
+                        raise ValueError(
+                            f"mm.jit({what}={i}) is out of range for a function with {n} "
+                            "positional parameters."
+                        )
+                    i += n
+                out.append(i)
+            return tuple(out)
+
+        self.static_argnums = resolve(static_argnums, "static_argnums")
+        self.donate_argnums = resolve(donate_argnums, "donate_argnums")
+        self.static_argnames = tuple(static_argnames)
+        self.donate_argnames = tuple(donate_argnames)
+        # names <-> positions, as jax.jit does
+        self.static_names = set(self.static_argnames) | {
+            positional[i] for i in self.static_argnums if 0 <= i < n
+        }
+        self.static_pos = {i for i in self.static_argnums if i >= 0} | {
+            i for i, p in enumerate(positional) if p in self.static_argnames
+        }
+        self.donate_names = set(self.donate_argnames) | {
+            positional[i] for i in self.donate_argnums if 0 <= i < n
+        }
+        self.donate_pos = {i for i in self.donate_argnums if i >= 0} | {
+            i for i, p in enumerate(positional) if p in self.donate_argnames
+        }
+        self._neg_static = tuple(i for i in self.static_argnums if i < 0)
+        self._neg_donate = tuple(i for i in self.donate_argnums if i < 0)
+
+    def normalize(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
+        nargs = len(args)
+        static_pos = self.static_pos | {i + nargs for i in self._neg_static}
+        statics = tuple((i, args[i]) for i in sorted(static_pos) if 0 <= i < nargs)
+        skw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_names))
+        positions = tuple(i for i in range(nargs) if i not in static_pos)
+        dyn_args = tuple(args[i] for i in positions)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_names}
+        static_key = (statics, skw, nargs)
+        try:
+            hash(static_key)
+        except TypeError:
+            bad = [v for _, v in statics + skw if not _hashable(v)]
+            raise TypeError(
+                f"static arguments of mm.jit must be hashable (like jax.jit's); got "
+                f"{type(bad[0]).__name__ if bad else 'an unhashable value'}: {bad[:1]}. "
+                "Pass it as a dynamic argument, or make it hashable (e.g. a tuple)."
+            ) from None
+
+        def rebuild(dargs: tuple[Any, ...], dkw: dict[str, Any]):
+            it = iter(dargs)
+            sd = dict(statics)
+            full = tuple(sd[i] if i in sd else next(it) for i in range(nargs))
+            return full, {**dkw, **dict(skw)}
+
+        return Call(dyn_args, dyn_kwargs, static_key, positions, rebuild)
+
+    def donated_leaves(self, call: Call) -> frozenset[int]:
+        """Flat leaf indices of the donated dynamic arguments."""
+        nargs = call.static[2]  # type: ignore[index]
+        donate = self.donate_pos | {i + nargs for i in self._neg_donate}
+        if not donate and not self.donate_names:
+            return frozenset()
+        out: set[int] = set()
+        pos = 0
+        for k, a in enumerate(call.dyn_args):
+            n = len(jax.tree_util.tree_leaves(a))
+            if call.positions[k] in donate:
+                out.update(range(pos, pos + n))
+            pos += n
+        for name in sorted(call.dyn_kwargs):
+            n = len(jax.tree_util.tree_leaves(call.dyn_kwargs[name]))
+            if name in self.donate_names:
+                out.update(range(pos, pos + n))
+            pos += n
+        return frozenset(out)
+
+    def leaf_names(self, call: Call) -> list[str]:
+        """A readable name for each flat leaf: ``params['w0']``, ``x``, ``args[2][0]``."""
+        names: list[str] = []
+        for k, a in enumerate(call.dyn_args):
+            p = call.positions[k]
+            base = self.param_names[p] if p < len(self.param_names) else f"args[{p}]"
+            for path, _ in jax.tree_util.tree_leaves_with_path(a):
+                names.append(base + jax.tree_util.keystr(path))
+        for name in sorted(call.dyn_kwargs):
+            for path, _ in jax.tree_util.tree_leaves_with_path(call.dyn_kwargs[name]):
+                names.append(name + jax.tree_util.keystr(path))
+        return names
+
+
+def _hashable(v: Any) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
+
+
+# --- signature keys ------------------------------------------------------------------
+
+
+def _aval_of(x: Any) -> Any:
+    return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+
+
+def leaf_key(x: Any) -> tuple[Any, ...]:
+    """The cache-key part of one flat argument: (shape, dtype, weak type, committed
+    sharding or None). Traced values and deleted (donated) arrays are errors."""
+    if isinstance(x, jax.Array):
+        if isinstance(x, jax.core.Tracer):
+            raise _traced_error()
+        if x.is_deleted():
+            raise DeletedArgument()
+        committed = getattr(x, "committed", False)
+        return (
+            x.shape,
+            x.dtype,
+            bool(getattr(x.aval, "weak_type", False)),
+            x.sharding if committed else None,
+        )
+    if isinstance(x, np.ndarray):
+        return (x.shape, x.dtype, False, None)
+    if isinstance(x, (bool, int, float, complex)):
+        return (type(x),)
+    if isinstance(x, np.generic):
+        return ((), x.dtype, False, None)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        sh = x.sharding if isinstance(x.sharding, Sharding) else None
+        return (
+            tuple(x.shape),
+            np.dtype(x.dtype) if not _extended(x.dtype) else x.dtype,
+            bool(getattr(x, "weak_type", False)),
+            sh,
+        )
+    try:
+        aval = _aval_of(x)
+    except TypeError:
+        raise TypeError(
+            f"mm.jit arguments must be arrays, scalars or pytrees of them; got a "
+            f"{type(x).__name__}. Mark it static (static_argnums/static_argnames) if it "
+            "is configuration."
+        ) from None
+    return (aval.shape, aval.dtype, getattr(aval, "weak_type", False), None)
+
+
+class DeletedArgument(RuntimeError):
+    """Raised by :func:`leaf_key` for a deleted array; callers name the argument."""
+
+
+def deleted_error(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"argument {name} has been deleted: it was donated to an earlier call (donate_argnums)"
+        " or deleted explicitly. Pass that call's output instead of the donated input."
+    )
+
+
+def _traced_error() -> TypeError:
+    return TypeError(
+        "mm.jit was called with traced values (inside jax.jit, jax.grad, jax.vmap, ...). "
+        "mm.jit must be the outermost transformation: put the transformation inside, e.g. "
+        "mm.jit(jax.grad(loss), mesh=mmesh) instead of jax.grad(mm.jit(loss, mesh=mmesh))."
+    )
+
+
+def _extended(dtype: Any) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def trace_arg(x: Any) -> Any:
+    """Trace on shape and dtype only: where an input lives is the planner's business,
+    and avals carrying a submesh would clash with the mesh the program is traced on."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return jax.ShapeDtypeStruct(
+            x.shape,
+            x.dtype,
+            weak_type=bool(getattr(x, "weak_type", False))
+            if isinstance(x, jax.ShapeDtypeStruct)
+            else bool(getattr(x.aval, "weak_type", False)),
+        )
+    return x
+
+
+def describe(key: tuple[Any, ...]) -> str:
+    """``float32[8,4]`` for a leaf key."""
+    if len(key) == 1:
+        return f"Python {key[0].__name__}"
+    shape, dtype = key[0], key[1]
+    return f"{dtype}[{','.join(str(d) for d in shape)}]"
+
+
+def check_call_types(
+    names: list[str], got: Sequence[tuple[Any, ...]], want: Sequence[tuple[Any, ...]]
+) -> None:
+    """Raise ``TypeError`` (like ``jax.stages.Compiled``) where an argument's shape or
+    dtype differs from what was compiled."""
+    bad = []
+    for name, g, w in zip(names, got, want):
+        if g[:2] == w[:2] or g == w:
+            continue
+        if len(g) == 1 or len(w) == 1:  # Python scalars: compare as weak-typed values
+            if _scalar_matches(g, w):
+                continue
+        bad.append(f"argument {name} compiled with {describe(w)} and called with {describe(g)}")
+    if bad:
+        raise TypeError(
+            "argument types differ from the types this mm.jit program was compiled for: "
+            + "; ".join(bad)
+        )
+
+
+def _scalar_matches(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    def dt(k: tuple[Any, ...]) -> Any:
+        if len(k) == 1:
+            return jax.dtypes.canonicalize_dtype(
+                {bool: np.bool_, int: np.int64, float: np.float64, complex: np.complex128}[k[0]]
+            ), ()
+        return k[1], k[0]
+
+    return dt(a) == dt(b)
+
+
+# --- in_shardings / out_shardings --------------------------------------------------------
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, _SPEC_TYPES)
+
+
+def check_spec_value(s: Any, what: str) -> None:
+    if not _is_spec_leaf(s):
+        raise TypeError(
+            f"{what}: expected a jax.sharding.Sharding, a PartitionSpec or None, got "
+            f"{type(s).__name__} ({s!r})."
+        )
+
+
+def spec_axes(spec: PartitionSpec) -> set[str]:
+    out: set[str] = set()
+    for e in spec:
+        if isinstance(e, str):
+            out.add(e)
+        elif isinstance(e, tuple):
+            out.update(x for x in e if isinstance(x, str))
+    return out
+
+
+def broadcast_prefix(prefix: Any, tree: Any, what: str) -> list[Any]:
+    """Expand a pytree prefix of shardings to one entry per leaf of ``tree``."""
+    if _is_spec_leaf(prefix):
+        return [prefix] * len(jax.tree_util.tree_leaves(tree))
+    out: list[Any] = []
+    try:
+        jax.tree_util.tree_map(
+            lambda s, sub: out.extend([s] * len(jax.tree_util.tree_leaves(sub))),
+            prefix,
+            tree,
+            is_leaf=_is_spec_leaf,
+        )
+    except (ValueError, TypeError):
+        raise ValueError(
+            f"{what} {jax.tree_util.tree_structure(prefix, is_leaf=_is_spec_leaf)} is not a "
+            f"pytree prefix of the value's structure {jax.tree_util.tree_structure(tree)}; "
+            "give one sharding, or a matching pytree (None where any placement is fine)."
+        ) from None
+    for s in out:
+        check_spec_value(s, what)
+    return out
+
+
+def in_sharding_leaves(in_shardings: Any, call: Call, names: Sequence[str]) -> list[Any]:
+    """One ``in_shardings`` entry per flat leaf (None where none is given)."""
+    n_leaves = len(names)
+    if in_shardings is None:
+        return [None] * n_leaves
+    if _is_spec_leaf(in_shardings):
+        return [in_shardings] * n_leaves
+    if not isinstance(in_shardings, (tuple, list)):
+        raise TypeError(
+            "mm.jit(in_shardings=...) takes one sharding for all arguments or a tuple with "
+            f"one entry per positional argument; got {type(in_shardings).__name__}."
+        )
+    if len(in_shardings) != len(call.dyn_args):
+        raise ValueError(
+            f"mm.jit(in_shardings=...) has {len(in_shardings)} entries but the call has "
+            f"{len(call.dyn_args)} positional (non-static) arguments; give one entry per "
+            "argument (None for any placement)."
+        )
+    if call.dyn_kwargs:
+        raise ValueError(
+            "mm.jit(in_shardings=(...)) covers positional arguments only (as in jax.jit); "
+            f"pass {sorted(call.dyn_kwargs)} positionally."
+        )
+    out: list[Any] = []
+    k = 0
+    for a, s in zip(call.dyn_args, in_shardings):
+        nleaves = len(jax.tree_util.tree_leaves(a))
+        arg = names[k].split("[")[0] if nleaves else "?"
+        out.extend(broadcast_prefix(s, a, f"in_shardings for argument {arg!r}"))
+        k += nleaves
+    return out
+
+
+def check_no_stage_axis(s: Any, stage_axis: str | None, what: str) -> None:
+    """A user-given sharding may not split a value across stages."""
+    if stage_axis is None or s is None:
+        return
+    spec = s if isinstance(s, PartitionSpec) else getattr(s, "spec", None)
+    if isinstance(spec, PartitionSpec) and stage_axis in spec_axes(spec):
+        raise ValueError(
+            f"{what}: {s} names the stage axis {stage_axis!r}. A value lives on one submesh "
+            f"(or is replicated over several); drop {stage_axis!r} from the spec, e.g. "
+            f"{PartitionSpec(*[_drop(e, stage_axis) for e in spec])}."
+        )
+
+
+def _drop(entry: Any, axis: str) -> Any:
+    if entry == axis:
+        return None
+    if isinstance(entry, tuple):
+        kept = tuple(e for e in entry if e != axis)
+        return kept or None
+    return entry
+
+
+def is_named(s: Any) -> bool:
+    return isinstance(s, NamedSharding)

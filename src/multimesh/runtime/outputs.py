@@ -1,0 +1,177 @@
+"""Program outputs: fresh arrays, in the shardings the user asked for (``out_shardings``).
+
+Like ``jax.jit``, every call returns new arrays: an output that is an input passed
+through, a captured constant or a literal is copied (or recomputed), so donating or
+deleting an output never touches the caller's inputs or a later call's outputs.
+
+``out_shardings`` entries resolve per output:
+
+- ``None``: where it was produced (several submeshes: one array replicated over them);
+- a ``PartitionSpec``: that spec on the producing submesh (the fragment produces it);
+- a ``NamedSharding`` on a submesh: the fragment produces it there when that is the
+  producing submesh, else the value is moved;
+- a ``NamedSharding`` on the global MultiMesh mesh whose spec omits the stage axis:
+  replicated over every submesh (produced on its submesh, copied shard-wise to the
+  others);
+- anything else: ``jax.device_put`` to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from multimesh import _compat
+from multimesh.arguments import check_no_stage_axis
+from multimesh.compiler.ir import Target
+from multimesh.runtime import transfer as tr
+
+_compat.register_exclusion(__file__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A resolved ``out_shardings`` entry."""
+
+    per_stage: dict[int, NamedSharding]  # what each producing submesh should make
+    final: Any = None  # the sharding of the returned array (None: as produced)
+    replicate: bool = False  # final spans every submesh: copy to the missing ones
+
+
+NO_REQUEST = Request({})
+
+
+def resolve(
+    s: Any, targets: Sequence[Target], stage_axis: str | None, global_mesh: Mesh | None, what: str
+) -> Request:
+    """Turn one user ``out_shardings`` entry into a :class:`Request`."""
+    if s is None:
+        return NO_REQUEST
+    if isinstance(s, PartitionSpec):
+        check_no_stage_axis(s, stage_axis, what)
+        return Request({t.index: NamedSharding(t.mesh, s) for t in targets})
+    if not isinstance(s, jax.sharding.Sharding):
+        raise TypeError(f"{what}: expected a Sharding, PartitionSpec or None, got {s!r}.")
+    devs = frozenset(int(d.id) for d in s.device_set)
+    for t in targets:
+        if devs == frozenset(t.device_ids):
+            return Request({t.index: s}, final=s)
+    if (
+        isinstance(s, NamedSharding)
+        and isinstance(s.mesh, Mesh)
+        and stage_axis is not None
+        and stage_axis in s.mesh.axis_names
+    ):
+        check_no_stage_axis(s, stage_axis, what)
+        dim = tuple(s.mesh.axis_names).index(stage_axis)
+        names = tuple(n for n in s.mesh.axis_names if n != stage_axis)
+        per: dict[int, NamedSharding] = {}
+        by_devs = {frozenset(t.device_ids): t for t in targets}
+        for j in range(s.mesh.devices.shape[dim]):
+            sub = np.take(s.mesh.devices, j, axis=dim)
+            t = by_devs.get(frozenset(int(d.id) for d in sub.flat))
+            if t is None:
+                break
+            types = tuple(
+                ty for n, ty in zip(s.mesh.axis_names, s.mesh.axis_types) if n != stage_axis
+            )
+            per[t.index] = NamedSharding(Mesh(sub, names, axis_types=types), s.spec)
+        else:
+            return Request(per, final=s, replicate=True)
+    return Request({}, final=s)
+
+
+def output_fn(
+    ids: Sequence[int],
+    req: Request,
+    slot_sh: dict[int, jax.sharding.Sharding],
+    slot_stage: dict[int, int],
+    borrowed: set[int],
+    shape: tuple[int, ...],
+    stage_axis: str,
+) -> Callable[[list[Any]], jax.Array]:
+    """A function env -> the output array for the value held in slots ``ids``."""
+    reshard = [(i, req.per_stage.get(slot_stage[i])) for i in ids]
+    reshard = [(i, d if d is not None and d != slot_sh[i] else None) for i, d in reshard]
+    fresh = [i not in borrowed for i in ids]
+
+    def value(env: list[Any], k: int) -> jax.Array:
+        i, dst = reshard[k]
+        x = env[i]
+        if dst is not None:
+            y = jax.device_put(x, dst)
+            return y if y is not x else _compat.fresh_copy([x])[0]
+        return x if fresh[k] else _compat.fresh_copy([x])[0]
+
+    if req.replicate:
+        final: NamedSharding = req.final
+        have = {slot_stage[i] for i in ids}
+        missing = [(s, sh) for s, sh in req.per_stage.items() if s not in have]
+
+        def replicated(env: list[Any]) -> jax.Array:
+            vals = [value(env, k) for k in range(len(ids))]
+            src = vals[0]
+            if missing:
+                vals += _compat.same_layout_copy([src] * len(missing), [sh for _, sh in missing])
+            pieces = [p for v in vals for p in _compat.single_device_arrays(v)]
+            return jax.make_array_from_single_device_arrays(shape, final, pieces)
+
+        return replicated
+
+    if len(ids) == 1:
+        single: Callable[[list[Any]], jax.Array] = lambda env: value(env, 0)
+    else:
+        shs = [req.per_stage.get(slot_stage[i]) or slot_sh[i] for i in ids]
+        union = tr.union_sharding(shs, stage_axis)
+        if union is None:
+            single = lambda env: value(env, 0)
+        else:
+
+            def single(env: list[Any]) -> jax.Array:
+                pieces = [
+                    p for k in range(len(ids)) for p in _compat.single_device_arrays(value(env, k))
+                ]
+                return jax.make_array_from_single_device_arrays(shape, union, pieces)
+
+    if req.final is None:
+        return single
+    final_sh = req.final
+    # `single` returns a fresh array; device_put returns it unchanged where it already
+    # has the requested sharding, or a new copy
+    return lambda env: jax.device_put(single(env), final_sh)
+
+
+def literal_fn(
+    literals: list[tuple[int, Any, Any]], default: NamedSharding, requests: Sequence[Request]
+) -> Callable[[], list[jax.Array]]:
+    """One small executable that makes every literal output fresh on each call, with its
+    dtype and weak type, where ``out_shardings`` (or the first submesh) puts it."""
+    if not literals:
+        return lambda: []
+    vals = []
+    shs = []
+    for k, val, aval in literals:
+        arr = np.asarray(val, dtype=aval.dtype) if not _is_key(aval) else val
+        if getattr(aval, "weak_type", False) and arr.shape == ():
+            vals.append(arr.item())  # a Python scalar traces as a weak-typed value
+        else:
+            vals.append(arr)
+        req = requests[k]
+        sh = req.final if req.final is not None else req.per_stage.get(0, default)
+        shs.append(sh if isinstance(sh, jax.sharding.Sharding) else default)
+
+    def make() -> tuple[Any, ...]:
+        return tuple(vals)
+
+    with _compat.no_mesh_context():
+        compiled = jax.jit(make, out_shardings=tuple(shs)).lower().compile()
+    return lambda: list(compiled())
+
+
+def _is_key(aval: Any) -> bool:
+    return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)

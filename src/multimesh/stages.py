@@ -1,0 +1,338 @@
+"""Staged compilation, as in ``jax.stages``: ``Lowered`` (traced and planned) and
+``Compiled`` (every fragment compiled by XLA for its submesh).
+
+``mm.jit(f).lower(*args)`` gives a :class:`Lowered`: its ``plan`` says which fragment
+runs where and what moves between submeshes. ``.compile()`` gives a :class:`Compiled`,
+callable with the same (non-static) arguments, checked like ``jax.stages.Compiled``
+checks them, and reporting XLA's memory and cost analyses per fragment and per submesh.
+Compiling also seeds the ``mm.jit`` object's call cache, so the first call with the same
+signature compiles nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from multimesh import _compat
+from multimesh.arguments import Call, DeletedArgument, check_call_types, deleted_error, leaf_key
+from multimesh.compiler import fragment as frag_pass
+from multimesh.compiler import place
+from multimesh.compiler import plan as plan_pass
+from multimesh.compiler.ir import FlatProgram, Labels
+from multimesh.runtime.executor import Executable
+from multimesh.runtime.inputs import InputInfo, analyze
+
+if TYPE_CHECKING:
+    from multimesh.api import MpmdFunction
+
+_compat.register_exclusion(__file__)
+
+
+@dataclasses.dataclass
+class Traced:
+    """A traced program, shared by every placement of the same input signature."""
+
+    jaxpr: Any  # the closed jaxpr, as traced
+    in_tree: Any
+    out_tree: Any
+    out_avals: list[Any]
+    loops: list[Any]
+    prog: FlatProgram
+    labels: Labels
+    scope_stages: dict[str, int]
+
+
+class Lowered:
+    """A traced and planned MPMD program (not yet compiled by XLA)."""
+
+    def __init__(
+        self,
+        fn: MpmdFunction,
+        call: Call,
+        flat: list[Any],
+        traced: Traced,
+        key: Any,
+        out_shardings: list[Any],
+    ) -> None:
+        self._fn, self._call, self._flat, self._key = fn, call, flat, key
+        self._traced = traced
+        self._out_shardings = out_shardings
+        self.jaxpr = traced.jaxpr
+        self.in_tree = traced.in_tree
+        self.out_tree = traced.out_tree
+        self.scope_stages = traced.scope_stages
+        mmesh = fn.multimesh
+        prog, labels = traced.prog, traced.labels
+        stage_axis = mmesh.stage_axis if mmesh is not None else None
+        self.input_infos: list[InputInfo] = [analyze(x, labels.targets, stage_axis) for x in flat]
+        default = (
+            min(s for s in labels.stages if s is not None)
+            if any(s is not None for s in labels.stages)
+            else 0
+        )
+        placement = place.place(prog, labels, [i.loc for i in self.input_infos], default)
+        frags = frag_pass.fragment(prog, placement, labels, traced.loops)
+        self.plan: plan_pass.Plan = plan_pass.build_plan(
+            prog, labels, placement, frags, [i.mode for i in self.input_infos]
+        )
+
+    @property
+    def out_info(self) -> Any:
+        """The outputs' shapes and dtypes, as a pytree of ``jax.ShapeDtypeStruct``."""
+        return jax.tree_util.tree_unflatten(
+            self.out_tree,
+            [
+                jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+                for a in self._traced.out_avals
+            ],
+        )
+
+    def as_text(self) -> str:
+        """A readable listing of the plan: fragments, devices and transfers (and, with
+        ``task_rules``, which scope went to which stage)."""
+        text = self.plan.as_text()
+        if self.scope_stages:
+            rows = [f"  {scope!r} -> stage {st}" for scope, st in sorted(self.scope_stages.items())]
+            text += "\ntask_rules placed scopes:\n" + "\n".join(rows)
+        return text
+
+    def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
+        """Compile every fragment with XLA for its submesh (``compiler_options`` are
+        passed to each fragment's compilation, as ``jax.stages.Lowered.compile`` does).
+        Seeds the ``mm.jit`` call cache for these arguments' signature."""
+        fn = self._fn
+        mmesh = fn.multimesh
+        labels = self._traced.labels
+        put_sh = fn._put_shardings(labels, self._call, self._flat)
+        exe = Executable(
+            self._traced.prog,
+            labels,
+            self.plan,
+            self.input_infos,
+            self._flat,
+            put_sh,
+            fn._signature.donated_leaves(self._call),
+            mmesh.stage_axis if mmesh is not None else None,
+            mmesh.mesh if mmesh is not None else None,
+            out_shardings=self._out_shardings,
+            compiler_options=compiler_options,
+            exe_cache=fn._exe_cache,
+        )
+        compiled = Compiled(exe, self, fn)
+        fn._register(self._key, compiled)
+        return compiled
+
+
+class Compiled:
+    """A compiled MPMD program: call it with the lowered function's non-static
+    arguments (as ``jax.stages.Compiled`` is called)."""
+
+    def __init__(self, exe: Executable, lowered: Lowered, fn: MpmdFunction) -> None:
+        self._exe = exe
+        self._fn = fn
+        self._call = lowered._call
+        self.in_tree = lowered.in_tree
+        self.out_tree = lowered.out_tree
+        self.plan = lowered.plan
+        self._leaf_keys = [leaf_key(x) for x in lowered._flat]
+        self._names: list[str] | None = None
+        self._ndims = [len(k[0]) if len(k) > 1 else 0 for k in self._leaf_keys]
+
+    # -- calling ----------------------------------------------------------------------
+
+    def _arg_names(self) -> list[str]:
+        if self._names is None:
+            self._names = self._fn._signature.leaf_names(self._call)
+        return self._names
+
+    def accepts(self, keys: Sequence[tuple[Any, ...]]) -> bool:
+        """Whether arguments with these leaf keys (same shapes and dtypes) run on this
+        program without moving anything that is already placed elsewhere: every
+        committed argument must sit where the program uses it in place."""
+        homes = self._exe.homes
+        for i, k in enumerate(keys):
+            sh = k[3] if len(k) > 3 else None
+            if sh is None or i not in homes:
+                continue
+            if not _same_sharding(sh, homes[i], self._ndims[i]):
+                return False
+        return True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat, tree = jax.tree_util.tree_flatten((args, kwargs))
+        if tree != self.in_tree:
+            raise TypeError(
+                "mm.jit Compiled called with arguments of a different structure than it was "
+                f"compiled for (static arguments are left out, as with jax.stages.Compiled): "
+                f"expected {self.in_tree}, got {tree}."
+            )
+        names = self._arg_names()
+        try:
+            keys = [leaf_key(x) for x in flat]
+        except DeletedArgument:
+            bad = next(i for i, x in enumerate(flat) if isinstance(x, jax.Array) and x.is_deleted())
+            raise deleted_error(names[bad]) from None
+        check_call_types(names, keys, self._leaf_keys)
+        homes = self._exe.homes
+        for i, k in enumerate(keys):
+            sh = k[3] if len(k) > 3 else None
+            if sh is not None and i in homes and not _same_sharding(sh, homes[i], self._ndims[i]):
+                raise ValueError(
+                    f"argument {names[i]} is placed as {sh}, but this program was compiled "
+                    f"for it at {homes[i]}; move it (jax.device_put) or compile for this "
+                    "placement (calling the mm.jit function does that)."
+                )
+        return self.call_flat(flat)
+
+    def call_flat(self, flat: Sequence[Any]) -> Any:
+        return jax.tree_util.tree_unflatten(self.out_tree, self._exe(flat))
+
+    def record(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Run once and return ``(outputs, timeline)``: a measured
+        :class:`multimesh.schedules.Timeline` (per-fragment start/end in µs, peak live
+        bytes and microbatches per submesh), plottable and exportable as a Chrome trace.
+        Takes the same arguments as calling this object."""
+        flat, _ = jax.tree_util.tree_flatten((args, kwargs))
+        outs, tl = self._exe.record(flat)
+        return jax.tree_util.tree_unflatten(self.out_tree, outs), tl
+
+    # -- introspection ----------------------------------------------------------------
+
+    def as_text(self) -> str:
+        return self.plan.as_text()
+
+    @property
+    def num_executables(self) -> int:
+        """Distinct XLA executables (identical fragments share one)."""
+        return self._exe.num_executables
+
+    @property
+    def fragments(self) -> list[Any]:
+        """The XLA-compiled fragments (``jax.stages.Compiled``), in dispatch order."""
+        return list(self._exe.compiled)
+
+    def memory_analysis(self) -> MemoryAnalysis:
+        """XLA's memory analysis, per fragment and summed per submesh (see
+        :class:`MemoryAnalysis`)."""
+        per_fragment: dict[str, Any] = {}
+        for info, c in zip(self.plan.fragments, self._exe.compiled):
+            per_fragment[info.name] = c.memory_analysis()
+        return MemoryAnalysis.build(self.plan, self._exe.compiled, per_fragment)
+
+    def cost_analysis(self) -> CostAnalysis:
+        """XLA's cost analysis (flops, bytes accessed, ...): a dict of totals over every
+        fragment run, with ``.per_fragment`` and ``.per_submesh`` breakdowns."""
+        per_fragment: dict[str, dict[str, float]] = {}
+        per_submesh: dict[int, dict[str, float]] = {}
+        total: dict[str, float] = {}
+        for info, c in zip(self.plan.fragments, self._exe.compiled):
+            ca = c.cost_analysis()
+            if isinstance(ca, (list, tuple)):  # older JAX: one dict per program
+                ca = ca[0] if ca else {}
+            ca = {k: float(v) for k, v in (ca or {}).items() if isinstance(v, (int, float))}
+            per_fragment[info.name] = ca
+            sub = per_submesh.setdefault(info.stage, {})
+            for k, v in ca.items():
+                sub[k] = sub.get(k, 0.0) + v
+                total[k] = total.get(k, 0.0) + v
+        return CostAnalysis(total, per_fragment, per_submesh)
+
+
+def _same_sharding(a: Any, b: Any, ndim: int) -> bool:
+    if b is None:
+        return False
+    if a == b:
+        return True
+    try:
+        return bool(a.is_equivalent_to(b, ndim))
+    except Exception:  # noqa: BLE001 - different sharding kinds
+        return False
+
+
+_SUMMED_ONCE = ("generated_code_size_in_bytes", "host_generated_code_size_in_bytes")
+_PEAK = ("temp_size_in_bytes", "host_temp_size_in_bytes")
+
+
+class MemoryAnalysis:
+    """XLA's memory statistics for an MPMD program.
+
+    ``per_fragment``: each fragment's ``CompiledMemoryStats`` (as
+    ``jax.stages.Compiled.memory_analysis()`` reports it). ``per_submesh``: per submesh
+    (stage index), every field summed over its fragments, except temporary sizes (the
+    largest fragment's: temporaries are released between fragments) and generated code
+    (counted once per distinct executable). The attributes of this object
+    (``argument_size_in_bytes``, ``output_size_in_bytes``, ``temp_size_in_bytes``, ...)
+    are those of the submesh with the largest total: the per-device estimate to compare
+    against a device's memory.
+    """
+
+    def __init__(
+        self,
+        fields: dict[str, int],
+        per_submesh: dict[int, dict[str, int]],
+        per_fragment: dict[str, Any],
+        submesh: int | None,
+    ) -> None:
+        self.per_submesh = per_submesh
+        self.per_fragment = per_fragment
+        self.submesh = submesh  # the stage whose numbers the attributes show
+        self._fields = fields
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+    @classmethod
+    def build(cls, plan: Any, compiled: Sequence[Any], per_fragment: dict[str, Any]) -> Any:
+        per_submesh: dict[int, dict[str, int]] = {}
+        seen: dict[int, set[int]] = {}
+        names: list[str] = []
+        for info, c in zip(plan.fragments, compiled):
+            stats = per_fragment.get(info.name)
+            if stats is None:
+                continue
+            if not names:
+                names = [n for n in dir(stats) if n.endswith("_in_bytes") and not n.startswith("_")]
+            sub = per_submesh.setdefault(info.stage, dict.fromkeys(names, 0))
+            first = id(c) not in seen.setdefault(info.stage, set())
+            seen[info.stage].add(id(c))
+            for n in names:
+                v = int(getattr(stats, n, 0) or 0)
+                if n in _PEAK:
+                    sub[n] = max(sub[n], v)
+                elif n in _SUMMED_ONCE:
+                    sub[n] += v if first else 0
+                else:
+                    sub[n] += v
+        if not per_submesh:
+            return cls({}, {}, per_fragment, None)
+
+        def total(d: dict[str, int]) -> int:
+            return sum(
+                d.get(n, 0)
+                for n in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
+            ) - d.get("alias_size_in_bytes", 0)
+
+        worst = max(per_submesh, key=lambda s: (total(per_submesh[s]), -s))
+        return cls(dict(per_submesh[worst]), per_submesh, per_fragment, worst)
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{k}={v}" for k, v in self._fields.items())
+        return f"MemoryAnalysis(submesh={self.submesh}, {body})"
+
+
+class CostAnalysis(dict):
+    """A dict of XLA cost totals over every fragment run (``flops``, ``bytes accessed``,
+    ...), with ``per_fragment`` (name -> dict) and ``per_submesh`` (stage -> dict)."""
+
+    def __init__(
+        self,
+        total: dict[str, float],
+        per_fragment: dict[str, dict[str, float]],
+        per_submesh: dict[int, dict[str, float]],
+    ) -> None:
+        super().__init__(total)
+        self.per_fragment = per_fragment
+        self.per_submesh = per_submesh
