@@ -60,6 +60,13 @@ def with_name_stack(eqn: JaxprEqn, name_stack: Any) -> JaxprEqn:
     return eqn.replace(source_info=eqn.source_info.replace(name_stack=name_stack))
 
 
+def has_ordered_effects(eqn: Any) -> bool:
+    """Whether an equation has effects JAX orders (``ordered=True`` callbacks, prints)."""
+    from jax._src import effects as _effects
+
+    return bool(eqn.effects) and any(_effects.ordered_effects.contains(e) for e in eqn.effects)
+
+
 # --- mesh contexts -----------------------------------------------------------------------
 
 

@@ -173,7 +173,7 @@ class MpmdFunction:
             state = TraceState(mmesh)
             with _compat.no_mesh_context(), tracing(state), contextlib.ExitStack() as es:
                 if mmesh is not None:  # as in the reference, `with mmesh: jax.jit(f)`
-                    es.enter_context(_compat.use_abstract_mesh(mmesh.mesh.abstract_mesh))
+                    es.enter_context(_compat.set_mesh(mmesh.mesh))
                 closed = jax.make_jaxpr(flat_fun)(*[trace_arg(x) for x in flat])
         finally:
             reset_active(tok)

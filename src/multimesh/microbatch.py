@@ -102,8 +102,9 @@ def microbatch(
         def piece(k: int) -> tuple[Any, ...]:
             def cut(x: Any) -> Any:
                 x = jnp.asarray(x)
-                b = x.shape[axis] // M
-                return jax.lax.slice_in_dim(x, k * b, (k + 1) * b, axis=axis)
+                ax = axis % x.ndim
+                b = x.shape[ax] // M
+                return jax.lax.slice_in_dim(x, k * b, (k + 1) * b, axis=ax)
 
             return tuple(jax.tree.map(cut, a) if i in pos else a for i, a in enumerate(args))
 
@@ -131,9 +132,10 @@ def microbatch(
 def _scan_reference(fun, M, axis, pos, args, kwargs):
     def split(x: Any) -> Any:
         x = jnp.asarray(x)
-        b = x.shape[axis] // M
-        x = x.reshape(x.shape[:axis] + (M, b) + x.shape[axis + 1 :])
-        return jnp.moveaxis(x, axis, 0)
+        ax = axis % x.ndim
+        b = x.shape[ax] // M
+        x = x.reshape(x.shape[:ax] + (M, b) + x.shape[ax + 1 :])
+        return jnp.moveaxis(x, ax, 0)
 
     xs = {i: jax.tree.map(split, args[i]) for i in pos}
 

@@ -150,7 +150,16 @@ def fragment(
                 if src is not None and src != gid:
                     groups[gid].pred.add(src)
                     groups[src].succ.add(gid)
+        # ordered effects (io_callback / debug.print with ordered=True) run in program order
+        for i, j in effect_pairs:
+            gi = owner.get((i, _only(placement.instances[i])))
+            gj = owner.get((j, _only(placement.instances[j])))
+            if gi is not None and gj is not None and gi != gj:
+                groups[gj].pred.add(gi)
+                groups[gi].succ.add(gj)
 
+    ordered = [i for i, e in enumerate(prog.eqns) if _compat.has_ordered_effects(e)]
+    effect_pairs = list(zip(ordered, ordered[1:]))
     rebuild_edges()
 
     def reaches_via_other(g: int, h: int) -> bool:
@@ -231,6 +240,7 @@ def fragment(
         if not g.eqns:
             g.alive = False
     stages = sorted({g.stage for g in groups if g.alive})
+    topo = _topo_positions(groups)
     seqs: dict[int, list[int]] = {}
     for s in stages:
         mine = [gid for gid, g in enumerate(groups) if g.alive and g.eqns and g.stage == s]
@@ -243,9 +253,9 @@ def fragment(
                     (post if gid in after else pre).append(gid)
         else:
             pre = mine
-        seq = sorted(pre, key=lambda x: groups[x].level)
+        seq = sorted(pre, key=topo.__getitem__)
         seq += _loop_order(groups, loop_groups, sched_rows)
-        seq += sorted(post, key=lambda x: groups[x].level)
+        seq += sorted(post, key=topo.__getitem__)
         seqs[s] = seq
 
     # merge a consumer that directly follows its producer on the same submesh
@@ -267,7 +277,7 @@ def fragment(
             out.append(gid)
         seqs[s] = out
 
-    order = _dispatch_order(groups, seqs)
+    order = _dispatch_order(groups, seqs, bool(effect_pairs))
     frags: list[Fragment] = []
     for gid in order:
         g = groups[gid]
@@ -286,6 +296,32 @@ def fragment(
     return frags
 
 
+def _only(stages: list[int]) -> int:
+    return stages[0] if stages else -1
+
+
+def _topo_positions(groups: list[_Group]) -> dict[int, int]:
+    """A topological order of the live groups (earliest level first)."""
+    import heapq
+
+    alive = [gid for gid, g in enumerate(groups) if g.alive]
+    indeg = {gid: sum(1 for p in groups[gid].pred if groups[p].alive) for gid in alive}
+    heap = [(groups[g].level, g) for g in alive if indeg[g] == 0]
+    heapq.heapify(heap)
+    pos: dict[int, int] = {}
+    while heap:
+        _, g = heapq.heappop(heap)
+        pos[g] = len(pos)
+        for c in groups[g].succ:
+            if c in indeg:
+                indeg[c] -= 1
+                if indeg[c] == 0:
+                    heapq.heappush(heap, (groups[c].level, c))
+    for g in alive:  # groups on a cycle: the dispatcher reports it
+        pos.setdefault(g, len(pos) + groups[g].level)
+    return pos
+
+
 def _descendants(groups: list[_Group], roots: list[int]) -> set[int]:
     seen: set[int] = set()
     stack = list(roots)
@@ -299,7 +335,11 @@ def _descendants(groups: list[_Group], roots: list[int]) -> set[int]:
 
 
 def _build_schedules(groups, loops, labels):
-    """Map loop groups to schedule actions; build and validate each loop's schedule."""
+    """Map loop groups to schedule actions; build and validate each loop's schedule.
+
+    A schedule is built over pipeline *positions* (the order in which the forward pass
+    visits the task stages, found from the data flow), then translated back to the
+    task stages, so a pipeline may use its stages in any order (e.g. 2, 1, 0)."""
     out = {}
     for loop, info in enumerate(loops):
         mine = [gid for gid, g in enumerate(groups) if g.alive and g.mb and g.mb[0] == loop]
@@ -317,9 +357,11 @@ def _build_schedules(groups, loops, labels):
         used = sorted(set(virt_of.values()))
         if not used:
             continue
-        num_virtual = used[-1] + 1
-        S = len({groups[g].stage for g in virt_of})
+        submesh_of = {virt_of[g]: groups[g].stage for g in virt_of}
+        S = len(set(submesh_of.values()))
         sched = info.schedule
+        order = _pipeline_order(groups, mine, virt_of, used)
+        num_virtual = len(order)
         chunks = max(1, num_virtual // max(S, 1))
         if num_virtual % S:
             raise ValueError(
@@ -333,6 +375,15 @@ def _build_schedules(groups, loops, labels):
                 f"schedule {sched.name!r} runs one stage per submesh: use "
                 "mm.schedules.Interleaved1F1B() (or fewer stages)."
             )
+        for p, v in enumerate(order):
+            if submesh_of[v] != submesh_of[order[p % S]]:
+                raise ValueError(
+                    f"the microbatch loop visits task stages in the order {order}; an "
+                    f"interleaved pipeline needs the stage at position {p} on the same "
+                    f"submesh as the one at position {p % S} (position p on submesh p % S), "
+                    f"but stage {v} is on submesh {submesh_of[v]} and stage {order[p % S]} "
+                    f"on {submesh_of[order[p % S]]}."
+                )
         for gid in mine:
             if gid not in virt_of:
                 cands = [
@@ -342,11 +393,37 @@ def _build_schedules(groups, loops, labels):
                 ]
                 virt_of[gid] = min(cands) if cands else min(used)
         rows = sched.build(S, info.num_microbatches, chunks)
+        rows = [[Action(order[a.stage], a.microbatch, a.phase) for a in row] for row in rows]
         for gid in mine:
             g = groups[gid]
             g.actions = [Action(virt_of[gid], g.mb[1], g.phase)]
         out[loop] = (sched, rows, None)
     return out
+
+
+def _pipeline_order(groups, mine, virt_of, used) -> list[int]:
+    """Task stages in the order the forward pass visits them (ties: lowest first)."""
+    after: dict[int, set[int]] = {v: set() for v in used}
+    for gid in mine:
+        g = groups[gid]
+        if g.phase != "F" or gid not in virt_of:
+            continue
+        for p in g.pred:
+            gp = groups[p]
+            if p in virt_of and gp.phase == "F" and gp.mb == g.mb and virt_of[p] != virt_of[gid]:
+                after[virt_of[gid]].add(virt_of[p])
+    order: list[int] = []
+    left = set(used)
+    while left:
+        ready = sorted(v for v in left if after[v] <= set(order))
+        if not ready:
+            raise ValueError(
+                f"the forward passes of task stages {sorted(left)} depend on each other in a "
+                "cycle within one microbatch; a pipeline needs its stages in a chain."
+            )
+        order.append(ready[0])
+        left.discard(ready[0])
+    return order
 
 
 def _split_backward(groups, loop, prog, placement, transfers_from):
@@ -404,7 +481,7 @@ def _loop_order(groups, loop_groups, sched_rows):
     return out
 
 
-def _dispatch_order(groups, seqs: dict[int, list[int]]) -> list[int]:
+def _dispatch_order(groups, seqs: dict[int, list[int]], effects: bool = False) -> list[int]:
     pos = {s: 0 for s in seqs}
     done: set[int] = set()
     order: list[int] = []
@@ -433,6 +510,14 @@ def _dispatch_order(groups, seqs: dict[int, list[int]]) -> list[int]:
                         "the schedule, or check the placement: in a pipeline each stage's "
                         "forward may only use earlier stages' forwards (a layer placed on "
                         "an earlier stage than its inputs needs its own, later stage)."
+                        + (
+                            " The program has ordered effects (io_callback / debug.print "
+                            "with ordered=True), which must run in program order; use "
+                            "ordered=False inside pipelined loops if their order does "
+                            "not matter."
+                            if effects
+                            else ""
+                        )
                     )
     return order
 

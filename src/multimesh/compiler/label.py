@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 from multimesh import _compat
 from multimesh.compiler.inline import _sub_jaxprs, eqn_tasks, inner_tasks
-from multimesh.compiler.ir import FlatProgram, Labels, Target
+from multimesh.compiler.ir import FlatProgram, Labels, Literal, Target
 from multimesh.mesh import MultiMesh
 from multimesh.tasks import TaskRef, check_stage_range
 
@@ -111,7 +111,7 @@ def label(
         import numpy as np
 
         targets.append(Target(0, Mesh(np.array([dev]), ("_mm",)), "default"))
-    mbs = [_microbatch(e) for e in prog.eqns]
+    mbs = _loop_order_fixes(prog, [_microbatch(e) for e in prog.eqns])
     virtual = [r.stage if r is not None and r.mesh is None else s for r, s in zip(tasks, stages)]
     return Labels(
         tasks=tasks,
@@ -121,6 +121,36 @@ def label(
         microbatch=mbs,
         virtual=virtual,
     )
+
+
+def _loop_order_fixes(
+    prog: FlatProgram, mbs: list[tuple[int, int] | None]
+) -> list[tuple[int, int] | None]:
+    """Take work that consumes a *later* microbatch's values out of its microbatch.
+
+    With ``jax.grad`` outside ``mm.microbatch``, JAX sums a parameter's cotangents in
+    reverse microbatch order, inside the scope of the earlier microbatch's backward.
+    Left there, microbatch k's backward would wait for microbatch k+1's, contradicting
+    every schedule; as work after the loop it only waits for the microbatches it sums.
+    """
+    latest: dict[Any, tuple[int, int]] = {}  # var -> (loop, latest microbatch it needs)
+    out = list(mbs)
+    for i, e in enumerate(prog.eqns):
+        dep: dict[int, int] = {}
+        for a in e.invars:
+            d = latest.get(a) if not isinstance(a, Literal) else None
+            if d is not None:
+                dep[d[0]] = max(dep.get(d[0], -1), d[1])
+        mb = out[i]
+        if mb is not None and dep.get(mb[0], -1) > mb[1]:
+            out[i] = None  # runs after the loop, next to the data it sums
+        if mb is not None:
+            dep[mb[0]] = max(dep.get(mb[0], -1), mb[1])
+        if dep:
+            loop = max(dep)  # (one loop per value in practice)
+            for o in e.outvars:
+                latest[o] = (loop, dep[loop])
+    return out
 
 
 def _microbatch(eqn: Any) -> tuple[int, int] | None:

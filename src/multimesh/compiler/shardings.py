@@ -137,7 +137,24 @@ def rewrite_value(v: Any, ctx: Ctx) -> Any:
     return v
 
 
+def _check_shard_map(params: dict[str, Any], ctx: Ctx) -> None:
+    for k in ("in_specs", "out_specs"):
+        for spec in params.get(k, ()) or ():
+            if isinstance(spec, PartitionSpec) and ctx.stage_axis in _spec_axes(spec):
+                raise ValueError(
+                    f"{ctx.where}: shard_map {k[:-6]} spec {spec} splits over the stage axis "
+                    f"{ctx.stage_axis!r}, but inside a task the code runs on one submesh, "
+                    f"which has no {ctx.stage_axis!r} axis. Drop {ctx.stage_axis!r} from the "
+                    "shard_map specs (use the submesh's axes), or move the shard_map out of "
+                    "the task and split the work into one task per stage."
+                )
+
+
 def rewrite_params(prim: str, params: dict[str, Any], ctx: Ctx) -> dict[str, Any]:
+    if prim == "shard_map" and ctx.stage_axis is not None:
+        mesh = params.get("mesh")
+        if mesh is not None and _is_global(mesh, ctx):
+            _check_shard_map(params, ctx)
     out = {k: rewrite_value(p, ctx) for k, p in params.items()}
     if prim == "shard_map" and ctx.stage_axis is not None:
         mesh = params.get("mesh")

@@ -177,12 +177,24 @@ class Executable:
                         warnings.filterwarnings(
                             "ignore", message=".*donated buffers were not usable.*"
                         )
-                        lowered = jax.jit(
-                            body,
-                            in_shardings=in_sh,
-                            out_shardings=out_sh,
-                            donate_argnums=donate,
-                        ).lower(*avals)
+                        try:
+                            lowered = jax.jit(
+                                body,
+                                in_shardings=in_sh,
+                                out_shardings=out_sh,
+                                donate_argnums=donate,
+                            ).lower(*avals)
+                        except ValueError as e:
+                            if "ordered effects" not in str(e):
+                                raise
+                            raise ValueError(
+                                f"fragment {info.name!r} (tasks {list(info.tasks)}) has "
+                                "ordered effects (io_callback / debug.print with "
+                                f"ordered=True) on a submesh of {mesh.size} devices; JAX "
+                                "orders effects on one device only. Put that work on a "
+                                "one-device submesh (mm.task(..., mesh=...)), or use "
+                                "ordered=False."
+                            ) from None
                         compiled = (
                             lowered.compile(compiler_options=options)
                             if options

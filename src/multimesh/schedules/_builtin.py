@@ -7,7 +7,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from multimesh import _compat
-from multimesh.schedules._core import Action, Order, Schedule, dependencies, validate
+from multimesh.schedules._core import (
+    Action,
+    Order,
+    Schedule,
+    as_action,
+    dependencies,
+    validate,
+)
 
 _compat.register_exclusion(__file__)
 
@@ -168,11 +175,15 @@ class Custom(Schedule):
 
     def __init__(self, order: Sequence[Sequence[Any]]) -> None:
         try:
-            steps = tuple(tuple(tuple(a) for a in row) for row in order)
+            rows = [list(row) for row in order]
         except TypeError:
             raise ValueError(
                 "Custom(order) takes one list of (stage, microbatch, phase) per submesh."
             ) from None
+        steps = tuple(
+            tuple(tuple(as_action(a, s, j)) for j, a in enumerate(row))
+            for s, row in enumerate(rows)
+        )
         object.__setattr__(self, "steps", steps)
 
     @property

@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from multimesh import _compat
 
 _compat.register_exclusion(__file__)
@@ -70,16 +72,22 @@ def _check_shape(num_submeshes: int, num_microbatches: int, num_chunks: int) -> 
 
 
 def dependencies(a: Action, num_stages: int, splits_backward: bool) -> list[Action]:
-    """The actions ``a`` needs (pipeline data dependencies)."""
+    """The actions ``a`` needs: the pipeline's data dependencies, and the order in which
+    ``mm.jit`` accumulates outputs and gradients across microbatches (on each stage,
+    each phase handles microbatch k after microbatch k-1)."""
     s, k, p = a
+    deps = [Action(s, k - 1, p)] if k > 0 else []
     if p == "F":
-        return [Action(s - 1, k, "F")] if s > 0 else []
+        if s > 0:
+            deps.append(Action(s - 1, k, "F"))
+        return deps
     if p == "B":
-        deps = [Action(s, k, "F")]
+        deps.append(Action(s, k, "F"))
         if s < num_stages - 1:
             deps.append(Action(s + 1, k, "B"))
         return deps
-    return [Action(s, k, "B")]
+    deps.append(Action(s, k, "B"))
+    return deps
 
 
 def expected_actions(
@@ -92,6 +100,28 @@ def expected_actions(
             for p in phases:
                 out[v % num_submeshes].add(Action(v, k, p))
     return out
+
+
+def as_action(a: Any, submesh: int, step: int) -> Action:
+    """Check one schedule entry and return it as an :class:`Action`."""
+    try:
+        st, k, p = a
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"schedule step {step} on submesh {submesh}: {a!r} is not a (stage, microbatch, "
+            "phase) triple."
+        ) from None
+    for what, v in (("stage", st), ("microbatch", k)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(
+                f"schedule step {step} on submesh {submesh}: {what} {v!r} in {a!r} is not "
+                "an int; actions are (stage: int, microbatch: int, phase: 'F'|'B'|'W')."
+            )
+    if p not in PHASES:
+        raise ValueError(
+            f"schedule step {step} on submesh {submesh}: phase {p!r} is not one of {PHASES}."
+        )
+    return Action(int(st), int(k), str(p))
 
 
 def validate(
@@ -111,18 +141,7 @@ def validate(
     for s, row in enumerate(order):
         r = []
         for j, a in enumerate(row):
-            try:
-                st, k, p = a
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"schedule step {j} on submesh {s}: {a!r} is not a (stage, microbatch, "
-                    "phase) triple."
-                ) from None
-            if p not in PHASES:
-                raise ValueError(
-                    f"schedule step {j} on submesh {s}: phase {p!r} is not one of {PHASES}."
-                )
-            r.append(Action(int(st), int(k), str(p)))
+            r.append(as_action(a, s, j))
         acts.append(r)
     if splits_backward is None:
         splits_backward = any(a.phase == "W" for row in acts for a in row)
