@@ -265,3 +265,75 @@ def test_interleaving_errors():
     g = mm.microbatch(jax.value_and_grad(mlp(4)), 2, argnums=(1, 2), schedule="1f1b")
     with pytest.raises(ValueError, match="out of range"):
         mm.jit(g, mesh=mmesh)(weights(4), x, y)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_grad_outside_the_microbatch_loop(schedule):
+    mmesh = stage_mesh(2)
+    n = 4 if schedule == "interleaved-1f1b" else 2
+    ws = weights(n)
+    x, y = data(8)
+    g = jax.value_and_grad(mm.microbatch(mlp(n), 4, argnums=(1, 2), schedule=schedule, reduce="mean"))
+    got = mm.jit(g, mesh=mmesh)(ws, x, y)
+    assert_close(got, reference(g, mmesh, ws, x, y), rtol=1e-5, atol=1e-6)
+    assert [stage_of(gw, mmesh) for gw in got[1]] == [i % 2 for i in range(n)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
+@pytest.mark.parametrize("grad_outside", [False, True])
+def test_stages_in_reverse_order(schedule, grad_outside):
+    mmesh = stage_mesh(3)
+    order = [2, 1, 0]
+
+    def loss(ws, x, y):
+        h = x
+        for i, st in enumerate(order):
+            with mm.task(f"t{i}", stage=st):
+                h = h + jnp.tanh(h @ ws[i])
+        return jnp.mean((h - y) ** 2)
+
+    ws = weights(3)
+    x, y = data(6)
+    mb = lambda f: mm.microbatch(f, 3, argnums=(1, 2), schedule=schedule, reduce="mean")  # noqa: E731
+    g = jax.value_and_grad(mb(loss)) if grad_outside else mb(jax.value_and_grad(loss))
+    got = mm.jit(g, mesh=mmesh)(ws, x, y)
+    assert_close(got, reference(g, mmesh, ws, x, y), rtol=1e-5, atol=1e-6)
+    assert [stage_of(gw, mmesh) for gw in got[1]] == order
+
+
+def test_microbatch_negative_axis(mesh4x2):
+    def loss(w, x):
+        with mm.task("a", stage=0):
+            h = jnp.tanh(w @ x)  # batch on the last axis
+        with mm.task("b", stage=1):
+            return (h**2).mean()
+
+    w = weights(1)[0]
+    x = jax.random.normal(jax.random.key(3), (8, 12))
+    g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1, axis=-1, reduce="mean")
+    want = jax.value_and_grad(loss)(w, x)
+    assert_close(g(w, x), want, rtol=1e-5)  # the reference loop, no MultiMesh
+    assert_close(mm.jit(g, mesh=mesh4x2)(w, x), want, rtol=1e-5)
+
+
+def test_custom_order_validated_like_mm_jit():
+    # B1 before B0 on a stage: gradients accumulate in microbatch order under mm.jit
+    bad = [
+        [(0, 0, "F"), (0, 1, "F"), (0, 1, "B"), (0, 0, "B")],
+        [(1, 0, "F"), (1, 0, "B"), (1, 1, "F"), (1, 1, "B")],
+    ]
+    with pytest.raises(ValueError, match=r"B1@s0.*cannot run.*needs B0@s0"):
+        S.validate(bad, 2, 2)
+    with pytest.raises(ValueError, match=r"cannot run"):
+        S.simulate(S.Custom(bad), 2, 2)
+    mmesh = stage_mesh(2)
+    g = mm.microbatch(jax.value_and_grad(mlp(2)), 2, argnums=(1, 2), schedule=S.Custom(bad))
+    x, y = data(4)
+    with pytest.raises(ValueError, match=r"cannot run"):
+        mm.jit(g, mesh=mmesh)(weights(2), x, y)
+    good = [
+        [(0, 0, "F"), (0, 1, "F"), (0, 0, "B"), (0, 1, "B")],
+        [(1, 0, "F"), (1, 0, "B"), (1, 1, "F"), (1, 1, "B")],
+    ]
+    g = mm.microbatch(jax.value_and_grad(mlp(2)), 2, argnums=(1, 2), schedule=S.Custom(good))
+    assert_close(mm.jit(g, mesh=mmesh)(weights(2), x, y), reference(g, mmesh, weights(2), x, y))

@@ -67,3 +67,18 @@ def test_plot_and_trace(tmp_path):
     assert (tmp_path / "zb.png").stat().st_size > 1000
     trace = tl.to_chrome_trace(str(tmp_path / "zb.json"))
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 4 * 8 * 3
+
+
+@pytest.mark.parametrize("bad", [(0.5, 0, "F"), ("0", 0, "F"), (0, 1.0, "F"), (True, 0, "F")])
+def test_custom_rejects_non_integer_actions(bad):
+    with pytest.raises(ValueError, match="is not an int"):
+        S.Custom([[bad]])
+    with pytest.raises(ValueError, match="is not an int"):
+        S.validate([[bad, (0, 0, "B")]], 1, 1)
+
+
+def test_custom_rejects_bad_phase_and_shape():
+    with pytest.raises(ValueError, match="phase 'X'"):
+        S.Custom([[(0, 0, "X")]])
+    with pytest.raises(ValueError, match="not a .stage, microbatch, phase. triple"):
+        S.Custom([[(0, 0)]])

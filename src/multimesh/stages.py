@@ -20,7 +20,7 @@ import jax
 from multimesh import _compat
 from multimesh.arguments import Call, DeletedArgument, check_call_types, deleted_error, leaf_key
 from multimesh.compiler import fragment as frag_pass
-from multimesh.compiler import place
+from multimesh.compiler import pack, place
 from multimesh.compiler import plan as plan_pass
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.runtime.executor import Executable
@@ -76,6 +76,8 @@ class Lowered:
         )
         placement = place.place(prog, labels, [i.loc for i in self.input_infos], default)
         frags = frag_pass.fragment(prog, placement, labels, traced.loops)
+        prog, labels, placement, frags = pack.pack_transfers(prog, labels, placement, frags)
+        self._prog, self._labels = prog, labels
         self.plan: plan_pass.Plan = plan_pass.build_plan(
             prog, labels, placement, frags, [i.mode for i in self.input_infos]
         )
@@ -106,10 +108,10 @@ class Lowered:
         Seeds the ``mm.jit`` call cache for these arguments' signature."""
         fn = self._fn
         mmesh = fn.multimesh
-        labels = self._traced.labels
+        labels = self._labels
         put_sh = fn._put_shardings(labels, self._call, self._flat)
         exe = Executable(
-            self._traced.prog,
+            self._prog,
             labels,
             self.plan,
             self.input_infos,

@@ -292,7 +292,7 @@ def fragment(
                 phases="".join(sorted({phase[i] for i in g.eqns}, key="FBW".index)),
             )
         )
-    _wire(prog, placement, frags)
+    wire(prog, placement, frags)
     return frags
 
 
@@ -522,7 +522,7 @@ def _dispatch_order(groups, seqs: dict[int, list[int]], effects: bool = False) -
     return order
 
 
-def _wire(prog: FlatProgram, placement: Placement, frags: list[Fragment]) -> None:
+def wire(prog: FlatProgram, placement: Placement, frags: list[Fragment]) -> None:
     """Fill each fragment's input and output slots."""
     producer: dict[Slot, int] = {}
     for k, f in enumerate(frags):

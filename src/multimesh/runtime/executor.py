@@ -173,33 +173,7 @@ class Executable:
                 key = (str(jaxpr), in_sh, out_sh, donate, tuple(avals), opt_key)
                 compiled = cache.get(key)
                 if compiled is None:
-                    with warnings.catch_warnings(), _compat.no_mesh_context():
-                        warnings.filterwarnings(
-                            "ignore", message=".*donated buffers were not usable.*"
-                        )
-                        try:
-                            lowered = jax.jit(
-                                body,
-                                in_shardings=in_sh,
-                                out_shardings=out_sh,
-                                donate_argnums=donate,
-                            ).lower(*avals)
-                        except ValueError as e:
-                            if "ordered effects" not in str(e):
-                                raise
-                            raise ValueError(
-                                f"fragment {info.name!r} (tasks {list(info.tasks)}) has "
-                                "ordered effects (io_callback / debug.print with "
-                                f"ordered=True) on a submesh of {mesh.size} devices; JAX "
-                                "orders effects on one device only. Put that work on a "
-                                "one-device submesh (mm.task(..., mesh=...)), or use "
-                                "ordered=False."
-                            ) from None
-                        compiled = (
-                            lowered.compile(compiler_options=options)
-                            if options
-                            else lowered.compile()
-                        )
+                    compiled = _compile(body, in_sh, out_sh, donate, avals, options, info, mesh)
                     cache[key] = compiled
                 self.compiled.append(compiled)
                 self._run_index.append(len(steps))
@@ -393,6 +367,41 @@ class Executable:
             for i in free:
                 env[i] = None
         return self.finish(env)
+
+
+def _compile(body, in_sh, out_sh, donate, avals, options, info, mesh) -> Any:
+    """Compile one fragment. Outputs XLA pins to one device (e.g. a callback's result)
+    are made replicated NamedShardings, so later fragments can take them as inputs."""
+    for attempt in range(2):
+        with warnings.catch_warnings(), _compat.no_mesh_context():
+            warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+            try:
+                lowered = jax.jit(
+                    body, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate
+                ).lower(*avals)
+            except ValueError as e:
+                if "ordered effects" not in str(e):
+                    raise
+                raise ValueError(
+                    f"fragment {info.name!r} (tasks {list(info.tasks)}) has ordered effects "
+                    f"(io_callback / debug.print with ordered=True) on a submesh of "
+                    f"{mesh.size} devices; JAX orders effects on one device only. Put that "
+                    "work on a one-device submesh (mm.task(..., mesh=...)), or use "
+                    "ordered=False."
+                ) from None
+            compiled = (
+                lowered.compile(compiler_options=options) if options else lowered.compile()
+            )
+        odd = [
+            k
+            for k, sh in enumerate(compiled.output_shardings)
+            if not isinstance(sh, NamedSharding)
+        ]
+        if not odd or attempt:
+            return compiled
+        rep = NamedSharding(mesh, PartitionSpec())
+        out_sh = tuple(rep if k in odd else sh for k, sh in enumerate(out_sh))
+    return compiled
 
 
 def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:

@@ -1,0 +1,178 @@
+"""Pack: move many small values between the same two submeshes as one array.
+
+A training step sends dozens of scalars between stages at the same point (per-layer
+gradient-norm partials for clipping, learning rates, loss values). Each transfer has a
+fixed latency (a cross-device copy, a collective between processes), so the scalars
+that one fragment sends to one submesh are concatenated into one array at the end of
+that fragment, moved once, and sliced back at the start of the first fragment that uses
+them there (later fragments receive them from it). Values are grouped by dtype and weak
+type, so unpacking is exact. A pure function over plain data: it returns new program,
+labels, placement and fragments, leaving its inputs untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from multimesh import _compat
+from multimesh.compiler.fragment import Fragment, wire
+from multimesh.compiler.ir import FlatProgram, Labels, Placement
+
+_compat.register_exclusion(__file__)
+
+#: values with at most this many elements are packed
+MAX_ELEMENTS = 64
+
+
+def _packable(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return False
+    return int(np.prod(aval.shape, dtype=np.int64)) <= MAX_ELEMENTS
+
+
+def pack_transfers(
+    prog: FlatProgram, labels: Labels, placement: Placement, frags: list[Fragment]
+) -> tuple[FlatProgram, Labels, Placement, list[Fragment]]:
+    """Batch each fragment's small outgoing values per destination into one transfer."""
+    produced_in: dict[tuple[Any, int], int] = {}
+    for k, f in enumerate(frags):
+        for i in f.eqns:
+            for o in prog.eqns[i].outvars:
+                produced_in[(o, f.stage)] = k
+    # (producer fragment, dst, dtype, weak) -> vars
+    batches: dict[tuple[int, int, Any, bool], list[Any]] = {}
+    for v, src, dst in placement.transfers:
+        k = produced_in.get((v, src))
+        if k is None or not _packable(v.aval):
+            continue
+        key = (k, dst, np.dtype(v.aval.dtype), bool(getattr(v.aval, "weak_type", False)))
+        batches.setdefault(key, []).append(v)
+    batches = {k: vs for k, vs in batches.items() if len(vs) > 1}
+    if not batches:
+        return prog, labels, placement, frags
+
+    eqns = list(prog.eqns)
+    tasks, stages = list(labels.tasks), list(labels.stages)
+    task_meshes, mbs = list(labels.task_meshes), list(labels.microbatch or [None] * len(eqns))
+    virtual = list(labels.virtual or [None] * len(eqns))
+    instances = [list(x) for x in placement.instances]
+    frags = [dataclasses.replace(f, eqns=list(f.eqns), inputs=[], outputs=[]) for f in frags]
+    producer_eqn = {o: i for i, e in enumerate(prog.eqns) for o in e.outvars}
+    moved: set[tuple[Any, int]] = set()
+    new_transfers: list[tuple[Any, int, int]] = []
+
+    def add(new_eqns: list[Any], like: int | None, stage: int) -> list[int]:
+        """Append equations labelled like eqn ``like`` (``None``: untagged)."""
+        ids = []
+        for e in new_eqns:
+            eqns.append(e)
+            tasks.append(labels.tasks[like] if like is not None else None)
+            stages.append(labels.stages[like] if like is not None else None)
+            task_meshes.append(labels.task_meshes[like] if like is not None else None)
+            mbs.append(mbs[like] if like is not None else None)
+            virtual.append(virtual[like] if like is not None else None)
+            instances.append([stage])
+            ids.append(len(eqns) - 1)
+        return ids
+
+    for (k, dst, _dtype, _weak), vs in batches.items():
+        src = frags[k].stage
+        # pack at the end of the producer
+        pack_eqns, packed = _pack_eqns(vs, prog.eqns[producer_eqn[vs[0]]])
+        frags[k].eqns.extend(add(pack_eqns, producer_eqn[vs[0]], src))
+        new_transfers.append((packed, src, dst))
+        moved.update((v, dst) for v in vs)
+        # unpack at the start of the first fragment on dst that uses one of them
+        want = set(vs)
+        first = next(
+            (
+                j
+                for j, f in enumerate(frags)
+                if f.stage == dst
+                and any(a in want for i in f.eqns for a in eqns[i].invars if not _lit(a))
+            ),
+            None,
+        )
+        if first is None:  # only program outputs need them on dst: a fragment of their own
+            frags.append(Fragment(stage=dst, level=frags[k].level + 1, eqns=[]))
+            first = len(frags) - 1
+        like = eqns[frags[first].eqns[0]] if frags[first].eqns else prog.eqns[producer_eqn[vs[0]]]
+        # untagged, with the consumer's name stack: it runs on dst, in the consumer's phase
+        ids = add(_unpack_eqns(vs, packed, like), None, dst)
+        frags[first].eqns[:0] = ids
+    transfers = [t for t in placement.transfers if (t[0], t[2]) not in moved] + new_transfers
+    new_prog = dataclasses.replace(prog, eqns=eqns)
+    new_labels = dataclasses.replace(
+        labels,
+        tasks=tasks,
+        stages=stages,
+        task_meshes=task_meshes,
+        microbatch=mbs,
+        virtual=virtual,
+    )
+    new_placement = dataclasses.replace(placement, instances=instances, transfers=transfers)
+    wire(new_prog, new_placement, frags)
+    return new_prog, new_labels, new_placement, frags
+
+
+def _lit(a: Any) -> bool:
+    return isinstance(a, _compat.Literal)
+
+
+def _pack_eqns(vs: list[Any], like: Any) -> tuple[list[Any], Any]:
+    def pack(*xs: Any) -> Any:
+        return jnp.concatenate([jnp.ravel(x) for x in xs])
+
+    closed = jax.make_jaxpr(pack)(*[_sds(v.aval) for v in vs])
+    out = closed.jaxpr.outvars[0]
+    eqns, env = _instantiate(closed, dict(zip(closed.jaxpr.invars, vs)), {}, like)
+    return eqns, env[out]
+
+
+def _unpack_eqns(vs: list[Any], packed: Any, like: Any) -> list[Any]:
+    sizes = [int(np.prod(v.aval.shape, dtype=np.int64)) for v in vs]
+
+    def unpack(p: Any) -> list[Any]:
+        outs, off = [], 0
+        for v, n in zip(vs, sizes):
+            outs.append(jax.lax.slice(p, (off,), (off + n,)).reshape(v.aval.shape))
+            off += n
+        return outs
+
+    closed = jax.make_jaxpr(unpack)(_sds(packed.aval))
+    eqns, _env = _instantiate(
+        closed, {closed.jaxpr.invars[0]: packed}, dict(zip(closed.jaxpr.outvars, vs)), like
+    )
+    return eqns
+
+
+def _sds(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
+
+
+def _instantiate(
+    closed: Any, env: dict[Any, Any], outs: dict[Any, Any], like: Any
+) -> tuple[list[Any], dict[Any, Any]]:
+    """The equations of a small traced function with fresh variables, inputs replaced by
+    ``env`` and the given outputs bound to ``outs`` (the original variables); the
+    equations carry ``like``'s source info (its name stack, so its phase and task)."""
+    assert not closed.consts
+    new = []
+    for e in closed.jaxpr.eqns:
+        ins = [a if _lit(a) else env[a] for a in e.invars]
+        res = []
+        for o in e.outvars:
+            nv = outs.get(o) or _compat.Var(o.aval)
+            env[o] = nv
+            res.append(nv)
+        new.append(e.replace(invars=ins, outvars=res, source_info=like.source_info))
+    missing = [o for o in outs if o not in env or env[o] is not outs[o]]
+    if missing:  # an output that is an input or a literal: give it an identity eqn
+        raise AssertionError("pack: unpack outputs must come from equations")
+    return new, env

@@ -1,0 +1,79 @@
+"""Ordered effects across stages run in program order, as under plain jax.jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import io_callback
+
+import multimesh as mm
+
+
+def one_device_stages(n):
+    return mm.make_mesh((n,), ("stage",), devices=jax.devices()[:n])
+
+
+def program(log, order):
+    def record(tag):
+        def cb(v):
+            log.append(tag)
+            return np.asarray(v, np.float32)
+
+        return cb
+
+    def f(x):
+        outs = []
+        for i, st in enumerate(order):
+            with mm.task(f"t{i}", stage=st):
+                y = x * (i + 1)
+                outs.append(
+                    io_callback(record(f"t{i}"), jax.ShapeDtypeStruct((), jnp.float32), y.sum(),
+                                ordered=True)
+                )
+        return jnp.stack(outs)
+
+    return f
+
+
+@pytest.mark.parametrize("order", [[3, 0, 2, 1], [0, 1, 2, 3], [1, 1, 0, 3]])
+def test_io_callbacks_in_program_order(order):
+    mmesh = one_device_stages(4)
+    ref_log, log = [], []
+    want = jax.jit(program(ref_log, order))(jnp.ones(4))  # tasks transparent: one device
+    got = mm.jit(program(log, order), mesh=mmesh)(jnp.ones(4))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want))
+    assert log == ref_log == [f"t{i}" for i in range(4)]
+    log.clear()
+    mm.jit(program(log, order), mesh=mmesh)(jnp.ones(4))
+    assert log == [f"t{i}" for i in range(4)]
+
+
+def test_debug_print_in_program_order(capfd):
+    mmesh = one_device_stages(4)
+
+    def f(x):
+        for i, st in enumerate([2, 0, 3, 1]):
+            with mm.task(f"t{i}", stage=st):
+                jax.debug.print("step {i} {v}", i=i, v=(x * i).sum(), ordered=True)
+        return x
+
+    jax.block_until_ready(mm.jit(f, mesh=mmesh)(jnp.ones(2)))
+    jax.effects_barrier()
+    lines = [ln for ln in capfd.readouterr().out.splitlines() if ln.startswith("step")]
+    assert lines == [f"step {i} {2.0 * i}" for i in range(4)]
+
+
+def test_ordered_callbacks_on_multi_device_submeshes(mesh4x2):
+    log = []
+    mm.jit(program(log, [3, 0, 2, 1]), mesh=mesh4x2)(jnp.ones(4))
+    assert log == [f"t{i}" for i in range(4)]
+
+
+def test_ordered_print_on_multi_device_submesh_is_a_clear_error(mesh4x2):
+    def f(x):
+        with mm.task("talk", stage=1):
+            jax.debug.print("{v}", v=x.sum(), ordered=True)
+        return x
+
+    with pytest.raises(ValueError, match=r"'talk'.*ordered effects.*submesh of 2 devices"):
+        mm.jit(f, mesh=mesh4x2)(jnp.ones(4))

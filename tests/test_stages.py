@@ -1,0 +1,284 @@
+"""mm.jit behaves like jax.jit: staged API, argument checks, caches, out_shardings,
+fresh outputs, donation."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close, reference, stage_of
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import multimesh as mm
+
+
+def two_stage(w, x):
+    with mm.task("a", stage=0):
+        h = jnp.tanh(x @ w)
+    with mm.task("b", stage=1):
+        return (h * 2).sum(axis=1)
+
+
+W = jnp.linspace(-1.0, 1.0, 16).reshape(4, 4)
+X = jnp.linspace(0.0, 2.0, 32).reshape(8, 4)
+
+
+class CompileCounter(logging.Handler):
+    """Counts XLA compilations of MultiMesh fragments (jax_log_compiles)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "Finished XLA compilation of" in msg and "mm_" in msg:
+            self.count += 1
+
+
+@pytest.fixture
+def compiles():
+    h = CompileCounter()
+    logger = logging.getLogger("jax")
+    logger.addHandler(h)
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    with jax.log_compiles(True):
+        yield h
+    logger.removeHandler(h)
+    logger.setLevel(old)
+
+
+def test_compile_options_and_analyses(mesh4x2):
+    lowered = mm.jit(two_stage, mesh=mesh4x2).lower(W, X)
+    compiled = lowered.compile(compiler_options={"xla_cpu_enable_fast_math": False})
+    assert_close(compiled(W, X), reference(two_stage, mesh4x2, W, X))
+    mem = compiled.memory_analysis()
+    assert set(mem.per_submesh) == {0, 1}
+    assert set(mem.per_fragment) == {f.name for f in compiled.plan.fragments}
+    assert mem.argument_size_in_bytes > 0 and mem.submesh in (0, 1)
+    assert mem.argument_size_in_bytes == mem.per_submesh[mem.submesh]["argument_size_in_bytes"]
+    cost = compiled.cost_analysis()
+    assert cost["flops"] > 0
+    assert cost["flops"] == pytest.approx(sum(d.get("flops", 0) for d in cost.per_fragment.values()))
+    assert set(cost.per_submesh) == {0, 1}
+    assert "fragment" in lowered.as_text()
+    assert lowered.out_info.shape == (8,)
+
+
+def test_compiled_checks_arguments(mesh4x2):
+    c = mm.jit(two_stage, mesh=mesh4x2).lower(W, X).compile()
+    with pytest.raises(TypeError, match="different structure"):
+        c((W, X))
+    with pytest.raises(TypeError, match="different structure"):
+        c(W, X, X)
+    with pytest.raises(TypeError, match=r"argument x compiled with float32\[8,4\] and called with int32\[8,4\]"):
+        c(W, X.astype(jnp.int32))
+    with pytest.raises(TypeError, match=r"argument w compiled with float32\[4,4\] and called with float32\[4,5\]"):
+        c(jnp.ones((4, 5)), X)
+    elsewhere = jax.device_put(W, NamedSharding(mesh4x2.submesh(3), P()))
+    with pytest.raises(ValueError, match="argument w is placed as"):
+        c(elsewhere, X)
+
+
+def test_compiled_takes_dynamic_arguments_only(mesh4x2):
+    f = mm.jit(lambda x, n: two_stage(W, x) * n, mesh=mesh4x2, static_argnums=-1)
+    c = f.lower(X, 3).compile()
+    assert_close(c(X), f(X, 3))
+    assert_close(f(X, 3), reference(lambda x: two_stage(W, x) * 3, mesh4x2, X))
+
+
+def test_lower_compile_seeds_call_cache_and_feedback_does_not_recompile(mesh4x2, compiles):
+    opt = optax.adam(1e-2)
+
+    def loss(w, x):
+        return two_stage(w, x).mean()
+
+    def step(state, x):
+        w, o = state
+        g = jax.grad(loss)(w, x)
+        u, o = opt.update(g, o, w)
+        return (optax.apply_updates(w, u), o), loss(w, x)
+
+    f = mm.jit(step, mesh=mesh4x2)
+    state = (W, opt.init(W))
+    compiled = f.lower(state, X).compile()
+    n = compiles.count
+    assert n > 0
+    state1, _ = f(state, X)
+    state2, _ = f(state1, X)  # outputs fed back: placed where the program uses them
+    state3, l3 = f(state2, X)
+    assert compiles.count == n, "calls after lower().compile() must not compile"
+    assert f._cache_size() == 1
+    with mesh4x2:
+        r = jax.jit(step)
+        rs = state
+        for _ in range(3):
+            rs, rl = r(rs, X)
+    assert_close(state3, rs, rtol=1e-5)
+    assert_close(l3, rl)
+    assert compiled is not None
+
+
+def test_shape_dtype_struct_lowering(mesh4x2):
+    f = mm.jit(two_stage, mesh=mesh4x2)
+    w_sh = NamedSharding(mesh4x2.submesh(0), P())
+    lowered = f.lower(
+        jax.ShapeDtypeStruct(W.shape, W.dtype, sharding=w_sh), jax.ShapeDtypeStruct(X.shape, X.dtype)
+    )
+    c = lowered.compile()
+    assert_close(c(jax.device_put(W, w_sh), X), reference(two_stage, mesh4x2, W, X))
+
+
+@pytest.mark.parametrize(
+    "spec_kind", ["pspec", "submesh", "other_submesh", "global", "none", "tree"]
+)
+def test_out_shardings(mesh222, spec_kind):
+    mm_ = mesh222
+
+    def f(w, x):
+        with mm.task("a", stage=0):
+            h = jnp.tanh(x @ w)
+        with mm.task("b", stage=1):
+            y = h * 2
+        return y, h.sum()
+
+    want = reference(f, mm_, W, X)
+    sub1 = mm_.submesh(1)
+    spec = {
+        "pspec": (P("data"), None),
+        "submesh": (NamedSharding(sub1, P("data", "model")), NamedSharding(sub1, P())),
+        "other_submesh": (NamedSharding(mm_.submesh(0), P("data")), None),
+        "global": (NamedSharding(mm_.mesh, P("data")), NamedSharding(mm_.mesh, P())),
+        "none": None,
+        "tree": (NamedSharding(sub1, P(None, "model")), NamedSharding(mm_.submesh(0), P())),
+    }[spec_kind]
+    got = mm.jit(f, mesh=mm_, out_shardings=spec)(W, X)
+    assert_close(got, want)
+    y, s = got
+    if spec_kind == "pspec":
+        assert stage_of(y, mm_) == 1 and y.sharding.spec == P("data")
+    elif spec_kind == "submesh":
+        assert y.sharding == spec[0] and s.sharding == spec[1]
+    elif spec_kind == "other_submesh":
+        assert stage_of(y, mm_) == 0 and y.sharding.spec == P("data")
+    elif spec_kind == "global":
+        assert y.sharding == spec[0] and len(y.sharding.device_set) == 8
+        assert s.sharding == spec[1]
+    elif spec_kind == "tree":
+        assert y.sharding == spec[0] and s.sharding == spec[1]
+    else:
+        assert stage_of(y, mm_) == 1
+
+
+def test_out_shardings_errors(mesh4x2):
+    with pytest.raises(ValueError, match="names the stage axis"):
+        mm.jit(two_stage, mesh=mesh4x2, out_shardings=P("stage"))
+    with pytest.raises(ValueError, match="not a pytree prefix"):
+        mm.jit(two_stage, mesh=mesh4x2, out_shardings=(P(), P()))(W, X)
+    with pytest.raises(TypeError, match="expected a jax.sharding.Sharding"):
+        mm.jit(two_stage, mesh=mesh4x2, out_shardings="data")
+
+
+def test_in_shardings_validated(mesh4x2):
+    with pytest.raises(ValueError, match="has 1 entries but the call has 2"):
+        mm.jit(two_stage, mesh=mesh4x2, in_shardings=(P(),))(W, X)
+    with pytest.raises(ValueError, match=r"in_shardings.*names the stage axis 'stage'"):
+        mm.jit(two_stage, mesh=mesh4x2, in_shardings=P("stage"))
+    with pytest.raises(ValueError, match="not a pytree prefix"):
+        mm.jit(lambda t: two_stage(*t), mesh=mesh4x2, in_shardings=((P(), P(), P()),))((W, X))
+    with pytest.raises(ValueError, match=r"names \['model'\]"):
+        mm.jit(two_stage, mesh=mesh4x2, in_shardings=(P("model"), None))(W, X)
+    f = mm.jit(two_stage, mesh=mesh4x2, in_shardings=(None, P("data")))
+    assert_close(f(W, X), reference(two_stage, mesh4x2, W, X))
+
+
+def test_negative_static_argnums(mesh4x2):
+    def f(x, scale, n):
+        with mm.task("a", stage=0):
+            return x * scale * n
+
+    g = mm.jit(f, mesh=mesh4x2, static_argnums=(-1,))
+    assert_close(g(X, 2.0, 3), X * 6)
+    assert_close(g(X, 2.0, 4), X * 8)
+    assert g._cache_size() == 2
+
+
+def test_constant_and_literal_outputs_are_fresh(mesh4x2):
+    c = jnp.arange(3.0)
+
+    def f(x):
+        with mm.task("a", stage=1):
+            y = x + 1
+        return y, 1.0, c, 2
+
+    g = mm.jit(f, mesh=mesh4x2)
+    a = g(X)
+    b = g(X)
+    want = reference(f, mesh4x2, X)
+    assert_close(a, want)
+    for k in (1, 2, 3):
+        assert a[k] is not b[k]
+        assert a[k].weak_type == want[k].weak_type
+    assert a[1].weak_type and a[3].weak_type and not a[2].weak_type
+    a[1].delete()
+    a[2].delete()
+    assert float(g(X)[1]) == 1.0  # deleting one call's outputs does not break later calls
+    # donating a state that holds a literal/constant output works, call after call
+    h = mm.jit(lambda s: (s[0] + 1, s[1], s[2]), mesh=mesh4x2, donate_argnums=0)
+    s = (jnp.ones(2), jnp.float32(0.5), c)
+    for _ in range(3):
+        s = h(s)
+    assert_close(s[0], jnp.full(2, 4.0))
+    np.testing.assert_array_equal(np.asarray(c), np.arange(3.0))
+
+
+def test_passthrough_output_is_a_distinct_array(mesh4x2):
+    x = jax.device_put(X, NamedSharding(mesh4x2.submesh(0), P()))
+    g = mm.jit(lambda a, b: (a, two_stage(W, b)), mesh=mesh4x2)
+    out, _ = g(x, X)
+    assert out is not x
+    donate = mm.jit(lambda a: a * 2, mesh=mesh4x2, donate_argnums=0)
+    donate(out)
+    assert out.is_deleted() and not x.is_deleted()
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(X))
+
+
+def test_reusing_a_donated_input_is_a_clear_error(mesh4x2):
+    def step(w, x):
+        with mm.task("a", stage=0):
+            return w - 0.1 * x
+
+    f = mm.jit(step, mesh=mesh4x2, donate_argnums=0)
+    w = jax.device_put(jnp.ones((4, 4)), NamedSharding(mesh4x2.submesh(0), P()))
+    f(w, jnp.ones((4, 4)))
+    assert w.is_deleted()
+    with pytest.raises(RuntimeError, match="argument w has been deleted"):
+        f(w, jnp.ones((4, 4)))
+    c = f.lower(jnp.ones((4, 4)), jnp.ones((4, 4))).compile()
+    with pytest.raises(RuntimeError, match="argument w has been deleted"):
+        c(w, jnp.ones((4, 4)))
+
+
+def test_mm_jit_inside_transformations_is_a_clear_error(mesh4x2):
+    f = mm.jit(lambda w, x: two_stage(w, x).sum(), mesh=mesh4x2)
+    for wrap in (jax.grad, jax.jit, lambda g: jax.vmap(g, in_axes=(None, 0))):
+        with pytest.raises(TypeError, match="mm.jit must be the outermost transformation"):
+            wrap(f)(W, X[None])
+
+
+def test_non_array_output_is_named(mesh4x2):
+    def f(x):
+        with mm.task("a", stage=0):
+            return {"y": x * 2, "tag": "hello"}
+
+    with pytest.raises(TypeError, match=r"output\['tag'\] of 'f' is a str, not an array"):
+        mm.jit(f, mesh=mesh4x2)(X)
+
+
+def test_eval_shape(mesh4x2):
+    out = mm.jit(two_stage, mesh=mesh4x2).eval_shape(W, X)
+    assert out.shape == (8,) and out.dtype == jnp.float32
