@@ -27,8 +27,12 @@ def program(log, order):
             with mm.task(f"t{i}", stage=st):
                 y = x * (i + 1)
                 outs.append(
-                    io_callback(record(f"t{i}"), jax.ShapeDtypeStruct((), jnp.float32), y.sum(),
-                                ordered=True)
+                    io_callback(
+                        record(f"t{i}"),
+                        jax.ShapeDtypeStruct((), jnp.float32),
+                        y.sum(),
+                        ordered=True,
+                    )
                 )
         return jnp.stack(outs)
 

@@ -273,7 +273,9 @@ def test_grad_outside_the_microbatch_loop(schedule):
     n = 4 if schedule == "interleaved-1f1b" else 2
     ws = weights(n)
     x, y = data(8)
-    g = jax.value_and_grad(mm.microbatch(mlp(n), 4, argnums=(1, 2), schedule=schedule, reduce="mean"))
+    g = jax.value_and_grad(
+        mm.microbatch(mlp(n), 4, argnums=(1, 2), schedule=schedule, reduce="mean")
+    )
     got = mm.jit(g, mesh=mmesh)(ws, x, y)
     assert_close(got, reference(g, mmesh, ws, x, y), rtol=1e-5, atol=1e-6)
     assert [stage_of(gw, mmesh) for gw in got[1]] == [i % 2 for i in range(n)]

@@ -63,7 +63,9 @@ def test_compile_options_and_analyses(mesh4x2):
     assert mem.argument_size_in_bytes == mem.per_submesh[mem.submesh]["argument_size_in_bytes"]
     cost = compiled.cost_analysis()
     assert cost["flops"] > 0
-    assert cost["flops"] == pytest.approx(sum(d.get("flops", 0) for d in cost.per_fragment.values()))
+    assert cost["flops"] == pytest.approx(
+        sum(d.get("flops", 0) for d in cost.per_fragment.values())
+    )
     assert set(cost.per_submesh) == {0, 1}
     assert "fragment" in lowered.as_text()
     assert lowered.out_info.shape == (8,)
@@ -75,9 +77,13 @@ def test_compiled_checks_arguments(mesh4x2):
         c((W, X))
     with pytest.raises(TypeError, match="different structure"):
         c(W, X, X)
-    with pytest.raises(TypeError, match=r"argument x compiled with float32\[8,4\] and called with int32\[8,4\]"):
+    with pytest.raises(
+        TypeError, match=r"argument x compiled with float32\[8,4\] and called with int32\[8,4\]"
+    ):
         c(W, X.astype(jnp.int32))
-    with pytest.raises(TypeError, match=r"argument w compiled with float32\[4,4\] and called with float32\[4,5\]"):
+    with pytest.raises(
+        TypeError, match=r"argument w compiled with float32\[4,4\] and called with float32\[4,5\]"
+    ):
         c(jnp.ones((4, 5)), X)
     elsewhere = jax.device_put(W, NamedSharding(mesh4x2.submesh(3), P()))
     with pytest.raises(ValueError, match="argument w is placed as"):
@@ -127,7 +133,8 @@ def test_shape_dtype_struct_lowering(mesh4x2):
     f = mm.jit(two_stage, mesh=mesh4x2)
     w_sh = NamedSharding(mesh4x2.submesh(0), P())
     lowered = f.lower(
-        jax.ShapeDtypeStruct(W.shape, W.dtype, sharding=w_sh), jax.ShapeDtypeStruct(X.shape, X.dtype)
+        jax.ShapeDtypeStruct(W.shape, W.dtype, sharding=w_sh),
+        jax.ShapeDtypeStruct(X.shape, X.dtype),
     )
     c = lowered.compile()
     assert_close(c(jax.device_put(W, w_sh), X), reference(two_stage, mesh4x2, W, X))

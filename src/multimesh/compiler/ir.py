@@ -73,6 +73,7 @@ class Placement:
     input_stages: dict[Any, list[int]]
     transfers: list[tuple[Any, int, int]]
     outputs: list[list[int]]
+    packed: dict[Any, int] = dataclasses.field(default_factory=dict)  # var -> values in it
 
 
 def aval_nbytes(aval: Any) -> int:

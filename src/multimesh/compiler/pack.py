@@ -66,6 +66,7 @@ def pack_transfers(
     producer_eqn = {o: i for i, e in enumerate(prog.eqns) for o in e.outvars}
     moved: set[tuple[Any, int]] = set()
     new_transfers: list[tuple[Any, int, int]] = []
+    packed_counts: dict[Any, int] = dict(placement.packed)
 
     def add(new_eqns: list[Any], like: int | None, stage: int) -> list[int]:
         """Append equations labelled like eqn ``like`` (``None``: untagged)."""
@@ -87,6 +88,7 @@ def pack_transfers(
         pack_eqns, packed = _pack_eqns(vs, prog.eqns[producer_eqn[vs[0]]])
         frags[k].eqns.extend(add(pack_eqns, producer_eqn[vs[0]], src))
         new_transfers.append((packed, src, dst))
+        packed_counts[packed] = len(vs)
         moved.update((v, dst) for v in vs)
         # unpack at the start of the first fragment on dst that uses one of them
         want = set(vs)
@@ -116,7 +118,9 @@ def pack_transfers(
         microbatch=mbs,
         virtual=virtual,
     )
-    new_placement = dataclasses.replace(placement, instances=instances, transfers=transfers)
+    new_placement = dataclasses.replace(
+        placement, instances=instances, transfers=transfers, packed=packed_counts
+    )
     wire(new_prog, new_placement, frags)
     return new_prog, new_labels, new_placement, frags
 

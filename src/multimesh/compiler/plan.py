@@ -43,6 +43,7 @@ class TransferInfo:
     shape: tuple[int, ...]
     dtype: str
     after: str  # the fragment that produced it, or "inputs"
+    values: int = 1  # program values moved in it (small values are packed together)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,33 +82,43 @@ class Plan:
         return len(self.slots)
 
     def as_text(self) -> str:
+        """The plan as text: fragments in dispatch order, each followed by the values it
+        sends to other submeshes."""
+        nvals = sum(t.values for t in self.transfers)
         lines = [
-            f"MPMD plan: {len(self.fragments)} fragments, {len(self.transfers)} transfers "
-            f"({sum(t.nbytes for t in self.transfers)} bytes between submeshes)"
+            f"MPMD plan: {len(self.fragments)} fragments, {len(self.transfers)} transfers of "
+            f"{nvals} values ({sum(t.nbytes for t in self.transfers)} bytes between submeshes)"
         ]
         puts = [p for p in self.inputs if p.mode == "put"]
+        placed = [p for p in self.inputs if p.mode in ("as_is", "extract")]
         if puts:
             lines.append(
-                f"  inputs: {len(puts)} host->device puts ({sum(p.nbytes for p in puts)} bytes)"
+                f"  inputs: {len(puts)} put from the host or other devices "
+                f"({sum(p.nbytes for p in puts)} bytes)"
             )
+        if placed:
+            lines.append(f"  inputs: {len(placed)} used where they already are")
         tr_by_after: dict[str, list[TransferInfo]] = {}
         for t in self.transfers:
             tr_by_after.setdefault(t.after, []).append(t)
-        for t in tr_by_after.get("inputs", []):
-            lines.append(
-                f"  transfer stage{t.src_stage}->stage{t.dst_stage} {t.dtype}{list(t.shape)} {t.nbytes}B (input)"
+
+        def row(t: TransferInfo, indent: str, note: str = "") -> str:
+            what = f" ({t.values} values packed)" if t.values > 1 else ""
+            return (
+                f"{indent}transfer stage{t.src_stage}->stage{t.dst_stage} "
+                f"{t.dtype}{list(t.shape)} {t.nbytes}B{what}{note}"
             )
-        for f in self.fragments:
+
+        for t in tr_by_after.get("inputs", []):
+            lines.append(row(t, "  ", " (input)"))
+        for k, f in enumerate(self.fragments):
             tasks = ",".join(f.tasks) if f.tasks else "-"
             lines.append(
-                f"  fragment {f.name!r}: stage {f.stage} devices {list(f.devices)} "
-                f"level {f.level}, {f.num_eqns} eqns, tasks [{tasks}]"
+                f"  {k:>3} fragment {f.name!r}: stage {f.stage} (devices {list(f.devices)}), "
+                f"{f.num_eqns} ops, tasks [{tasks}]"
             )
             for t in tr_by_after.get(f.name, []):
-                lines.append(
-                    f"    transfer stage{t.src_stage}->stage{t.dst_stage} "
-                    f"{t.dtype}{list(t.shape)} {t.nbytes}B"
-                )
+                lines.append(row(t, "        "))
         return "\n".join(lines)
 
 
@@ -204,6 +215,7 @@ def build_plan(
                         shape=tuple(v.aval.shape),
                         dtype=str(v.aval.dtype),
                         after=after,
+                        values=placement.packed.get(v, 1),
                     )
                 )
         if items:

@@ -389,13 +389,9 @@ def _compile(body, in_sh, out_sh, donate, avals, options, info, mesh) -> Any:
                     "work on a one-device submesh (mm.task(..., mesh=...)), or use "
                     "ordered=False."
                 ) from None
-            compiled = (
-                lowered.compile(compiler_options=options) if options else lowered.compile()
-            )
+            compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
         odd = [
-            k
-            for k, sh in enumerate(compiled.output_shardings)
-            if not isinstance(sh, NamedSharding)
+            k for k, sh in enumerate(compiled.output_shardings) if not isinstance(sh, NamedSharding)
         ]
         if not odd or attempt:
             return compiled
