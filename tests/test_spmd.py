@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import assert_close, reference, stage_of
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -171,3 +172,29 @@ def test_explicit_meshes_of_different_shapes():
     assert {d.id for d in got[1][1].sharding.device_set} == {4, 5}
     plan = mm.jit(f).lower(w, x).plan
     assert sorted({fr.devices for fr in plan.fragments}) == [(0, 1, 2, 3), (4, 5), (6,)]
+
+
+def test_device_put_with_partition_spec_inside_a_task(mesh4x2):
+    def f(x):
+        with mm.task("t", stage=1):
+            y = jax.device_put(x, jax.P("data")) * 2
+        return y
+
+    x = jnp.arange(16.0).reshape(8, 2)
+    got = mm.jit(f, mesh=mesh4x2)(x)
+    assert_close(got, reference(f, mesh4x2, x))
+    assert stage_of(got, mesh4x2) == 1
+
+
+def test_shard_map_over_the_stage_axis_inside_a_task_is_a_clear_error(mesh4x2):
+    def f(x):
+        with mm.task("t", stage=0):
+            return jax.shard_map(
+                lambda a: a * 2,
+                mesh=mesh4x2.mesh,
+                in_specs=jax.P("stage"),
+                out_specs=jax.P("stage"),
+            )(x)
+
+    with pytest.raises(ValueError, match=r"task 't': shard_map in spec .* stage axis 'stage'"):
+        mm.jit(f, mesh=mesh4x2)(jnp.ones((8, 2)))

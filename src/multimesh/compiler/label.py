@@ -156,11 +156,15 @@ def _loop_order_fixes(
 def _microbatch(eqn: Any) -> tuple[int, int] | None:
     from multimesh.microbatch import decode_microbatch
 
-    found = [
-        m
-        for s in _compat.scope_names(eqn.source_info.name_stack)
-        if (m := decode_microbatch(s)) is not None
-    ]
+    # a scope may repeat (e.g. jax.checkpoint's recomputation carries its call site's
+    # stack twice); only different loops are nested
+    found = list(
+        dict.fromkeys(
+            m
+            for s in _compat.scope_names(eqn.source_info.name_stack)
+            if (m := decode_microbatch(s)) is not None
+        )
+    )
     if len(found) > 1:
         raise ValueError(
             "mm.microbatch loops are nested; a microbatch loop cannot contain another one."
