@@ -339,3 +339,62 @@ def test_custom_order_validated_like_mm_jit():
     ]
     g = mm.microbatch(jax.value_and_grad(mlp(2)), 2, argnums=(1, 2), schedule=S.Custom(good))
     assert_close(mm.jit(g, mesh=mmesh)(weights(2), x, y), reference(g, mmesh, weights(2), x, y))
+
+
+def manual_loop(fun, m, xs, ys, reduce):
+    outs = [fun(xs[k], ys[k]) for k in range(m)]
+    full = jax.tree.map(lambda r, o: jax.tree.map(lambda _: r, o), reduce, outs[0])
+    return jax.tree.map(
+        lambda r, *o: jnp.stack(o) if r == "stack" else sum(o) / (m if r == "mean" else 1),
+        full,
+        *outs,
+    )
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero-bubble-h1"])
+def test_microbatch_stack_stacked_inputs_shardings_and_aux(schedule, mesh4x2):
+    ws = weights(2)
+    loss = mlp(2)
+
+    def fun(x, y):
+        val, grads = jax.value_and_grad(loss)(ws, x, y)
+        return {"loss": val, "per": val * 2, "grads": grads}, {"max": jnp.max(x)}
+
+    m = 4
+    x, y = data(16)
+    reduce = {"loss": "mean", "per": "stack", "grads": "sum"}
+    g = mm.microbatch(
+        fun,
+        m,
+        argnums=(0, 1),
+        schedule=schedule,
+        reduce=reduce,
+        has_aux=True,
+        in_shardings=(jax.P("data"), None),
+    )
+    xs, ys = x.reshape(m, 4, 8), y.reshape(m, 4, 8)
+    want_out = manual_loop(lambda a, b: fun(a, b)[0], m, xs, ys, reduce)
+    want_aux = {"max": jnp.max(xs, axis=(1, 2))}
+    ref = reference(g, mesh4x2, x, y)
+    got = mm.jit(g, mesh=mesh4x2)(x, y)
+    assert_close(ref, (want_out, want_aux), rtol=1e-5, atol=1e-6)
+    assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    assert got[0]["per"].shape == (m,) and got[1]["max"].shape == (m,)
+    # inputs already split into microbatches
+    gs = mm.microbatch(
+        fun, m, argnums=(0, 1), schedule=schedule, reduce=reduce, has_aux=True, stacked=True
+    )
+    assert_close(mm.jit(gs, mesh=mesh4x2)(xs, ys), ref, rtol=1e-5, atol=1e-6)
+    assert_close(gs(xs, ys), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_microbatch_argument_errors():
+    f = mm.microbatch(lambda x: x.sum(), 4, stacked=True)
+    with pytest.raises(ValueError, match="leading microbatch axis of size 4"):
+        f(jnp.ones((3, 2)))
+    with pytest.raises(ValueError, match="reduce must be"):
+        mm.microbatch(lambda x: x, 2, reduce="max")
+    with pytest.raises(ValueError, match="in_shardings has 2 entries"):
+        mm.microbatch(lambda x: x, 2, in_shardings=(None, None))
+    with pytest.raises(ValueError, match=r"has_aux=True\) needs fun to return a pair"):
+        mm.microbatch(lambda x: x.sum(), 2, has_aux=True)(jnp.ones(4))

@@ -119,32 +119,93 @@ def init(
     fn: Callable[..., Any],
     *,
     mesh: Any,
-    stages: Any,
+    stages: Any = None,
     task_rules: Any = None,
+    shardings: Any = "declared",
 ) -> Callable[..., Any]:
     """``fn`` (e.g. ``model.init`` or an NNX constructor returning ``nnx.state``) under
-    ``mm.jit``, with each output leaf created on the stage ``stages`` gives it.
+    ``mm.jit``, each output leaf created on its stage and with its sharding.
 
-    ``stages`` is a pytree prefix of the outputs (ints), or a callable
-    ``(key_path, leaf) -> stage``. Initialisers that depend only on the PRNG key and
-    constants are recomputed on the stage that needs each leaf, so no parameter is
-    materialised on another submesh first.
+    ``stages``: a pytree prefix of the outputs (ints), or a callable
+    ``(key_path, leaf) -> stage``; ``None`` leaves placement to the tasks and
+    ``task_rules`` of the model. ``shardings``: ``"declared"`` (default) shards each leaf
+    as the model declares it (Linen ``nn.with_partitioning`` /
+    ``nn.with_logical_partitioning`` boxes, logical names resolved by the active
+    ``nn.logical_axis_rules``), ``None`` lets XLA choose, or a pytree prefix of
+    ``PartitionSpec``s (or a callable ``(key_path, leaf) -> PartitionSpec``) on each leaf's
+    submesh. Initialisers that depend only on the PRNG key and constants are recomputed on
+    the stage that needs each leaf, so nothing is materialised on another submesh first.
     """
     from multimesh.api import jit
 
     def placed(*args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
-        if callable(stages):
-            stage_tree = jax.tree_util.tree_map_with_path(lambda p, x: stages(p, x), out)
-        else:
-            stage_tree = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), stages, out)
-        return jax.tree.map(
-            lambda s, x: _task("init", stage=int(s))(lambda y: y + 0 if _is_num(y) else y)(x),
-            stage_tree,
-            out,
+        leaves, tree = jax.tree_util.tree_flatten_with_path(out, is_leaf=_is_box)
+        stage_of = _per_leaf(stages, out, leaves, "stages")
+        spec_of = (
+            [_declared_spec(x) for _, x in leaves]
+            if isinstance(shardings, str) and shardings == "declared"
+            else _per_leaf(shardings, out, leaves, "shardings")
         )
+        new = []
+        for (_path, x), st, spec in zip(leaves, stage_of, spec_of):
+            value = x.unbox() if _is_box(x) else x
+            if _is_num(value):
+
+                def make(y: Any, spec: Any = spec) -> Any:
+                    y = y + 0
+                    if spec is not None:
+                        y = jax.lax.with_sharding_constraint(y, spec)
+                    return y
+
+                value = _task("init", stage=int(st))(make)(value) if st is not None else make(value)
+            new.append(x.replace_boxed(value) if _is_box(x) else value)
+        return jax.tree_util.tree_unflatten(tree, new)
 
     return jit(functools.wraps(fn)(placed), mesh=mesh, task_rules=task_rules)
+
+
+def _is_box(x: Any) -> bool:
+    from flax.core import meta
+
+    return isinstance(x, meta.AxisMetadata)
+
+
+def _declared_spec(x: Any) -> Any:
+    """The PartitionSpec a Linen box declares (logical names through the active rules)."""
+    if not _is_box(x):
+        return None
+    from flax import linen as nn
+
+    names = getattr(x, "names", None)
+    if names is None:
+        return None
+    if isinstance(x, nn.LogicallyPartitioned):
+        rules = getattr(x, "rules", None)
+        return nn.logical_to_mesh_axes(names, rules)
+    return jax.sharding.PartitionSpec(*names)
+
+
+def _per_leaf(spec_tree: Any, out: Any, leaves: list[Any], what: str) -> list[Any]:
+    if spec_tree is None:
+        return [None] * len(leaves)
+    if callable(spec_tree):
+        return [spec_tree(path, x) for path, x in leaves]
+    try:
+        return jax.tree_util.tree_leaves(
+            jax.tree.map(
+                lambda s, sub: jax.tree.map(lambda _: s, sub, is_leaf=_is_box),
+                spec_tree,
+                out,
+                is_leaf=lambda v: v is None or isinstance(v, jax.sharding.PartitionSpec),
+            ),
+            is_leaf=lambda v: v is None or isinstance(v, jax.sharding.PartitionSpec),
+        )
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"mm.flax.init({what}=...) must be a pytree prefix of the outputs or a callable "
+            f"(key_path, leaf) -> value: {e}"
+        ) from None
 
 
 def _is_num(x: Any) -> bool:

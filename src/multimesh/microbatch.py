@@ -36,13 +36,19 @@ def decode_microbatch(scope: str) -> tuple[int, int] | None:
     return (int(m["loop"]), int(m["k"])) if m else None
 
 
+_REDUCTIONS = ("sum", "mean", "stack")
+
+
 def _check_reduce(reduce: Any) -> None:
     for leaf in jax.tree.leaves(reduce):
-        if leaf not in ("sum", "mean"):
-            raise ValueError(f"reduce must be 'sum', 'mean' or a pytree of those; got {leaf!r}.")
+        if leaf not in _REDUCTIONS:
+            raise ValueError(
+                f"reduce must be 'sum', 'mean', 'stack' or a pytree of those; got {leaf!r}."
+            )
 
 
 def _reduce_tree(reduce: Any, outs: Any) -> Any:
+    """One reduction name per output leaf (``reduce`` is one name or a pytree prefix)."""
     if isinstance(reduce, str):
         return jax.tree.map(lambda _: reduce, outs)
     try:
@@ -50,7 +56,7 @@ def _reduce_tree(reduce: Any, outs: Any) -> Any:
     except (ValueError, TypeError) as e:
         raise ValueError(
             f"reduce pytree {jax.tree.structure(reduce)} does not match the structure of the "
-            f"outputs {jax.tree.structure(outs)}; give one 'sum'/'mean' per output."
+            f"outputs {jax.tree.structure(outs)}; give one 'sum'/'mean'/'stack' per output."
         ) from e
 
 
@@ -62,8 +68,30 @@ def microbatch(
     axis: int = 0,
     schedule: Any = "1f1b",
     reduce: Any = "sum",
+    stacked: bool = False,
+    in_shardings: Any = None,
+    has_aux: bool = False,
 ) -> Callable[..., Any]:
-    """Call ``fun`` on ``num_microbatches`` slices of the batch arguments and reduce."""
+    """Call ``fun`` on ``num_microbatches`` slices of the batch arguments and reduce.
+
+    - ``argnums``: the batch arguments (sliced); the others are passed whole.
+    - ``axis``: the batch axis of every batch argument (negative counts from the end).
+    - ``stacked=True``: the batch arguments already carry a leading microbatch axis of
+      size ``num_microbatches``; microbatch ``k`` is ``x[k]`` (``axis`` is ignored).
+    - ``reduce``: ``"sum"``, ``"mean"`` or ``"stack"`` (per-microbatch outputs stacked
+      along a new leading axis: losses, predictions, metrics), or a pytree prefix of
+      the outputs with one of those per leaf.
+    - ``in_shardings``: per batch argument (a tuple matching ``argnums``, or one for
+      all), a ``PartitionSpec`` (pytree prefix) for each microbatch slice, applied as a
+      sharding constraint on the submesh that uses the slice.
+    - ``has_aux``: ``fun`` returns ``(out, aux)``; ``out`` is reduced by ``reduce``, ``aux``
+      is stacked; the result is ``(reduced_out, stacked_aux)``.
+    - ``schedule``: the pipeline schedule under ``mm.jit`` (a name or a
+      :class:`multimesh.schedules.Schedule`).
+
+    Outside ``mm.jit`` this is a ``lax.scan`` over microbatches (the reference); inside,
+    the loop is unrolled and its fragments run in the schedule's order.
+    """
     if (
         not isinstance(num_microbatches, int)
         or isinstance(num_microbatches, bool)
@@ -73,6 +101,11 @@ def microbatch(
     sched = _schedules.get(schedule)
     _check_reduce(reduce)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if isinstance(in_shardings, (tuple, list)) and len(in_shardings) != len(nums):
+        raise ValueError(
+            f"microbatch in_shardings has {len(in_shardings)} entries for argnums={nums}; "
+            "give one per batch argument (or one for all)."
+        )
     M = num_microbatches
 
     @functools.wraps(fun)
@@ -83,30 +116,46 @@ def microbatch(
                     f"microbatch argnums={nums} but the function got {len(args)} positional "
                     "arguments."
                 )
-        pos = {i % len(args) for i in nums}
-        for i in sorted(pos):
+        pos = [i % len(args) for i in nums]
+        for i in pos:
             for path, leaf in jax.tree_util.tree_leaves_with_path(args[i]):
-                shape = jnp.shape(leaf)
-                if not -len(shape) <= axis < len(shape):
-                    raise ValueError(
-                        f"microbatch axis {axis} is out of range for argument {i}"
-                        f"{jax.tree_util.keystr(path)} of shape {shape}."
-                    )
-                if shape[axis] % M:
-                    raise ValueError(
-                        f"argument {i}{jax.tree_util.keystr(path)} has batch size "
-                        f"{shape[axis]} along axis {axis}, which does not split into "
-                        f"{M} microbatches; use a batch size divisible by {M}."
-                    )
+                _check_leaf(i, path, jnp.shape(leaf), M, axis, stacked)
+        specs = {
+            i: (in_shardings[j] if isinstance(in_shardings, (tuple, list)) else in_shardings)
+            for j, i in enumerate(pos)
+        }
+
+        def constrain(i: int, piece_tree: Any) -> Any:
+            spec = specs.get(i)
+            if spec is None:
+                return piece_tree
+            return jax.lax.with_sharding_constraint(piece_tree, spec)
 
         def piece(k: int) -> tuple[Any, ...]:
             def cut(x: Any) -> Any:
                 x = jnp.asarray(x)
+                if stacked:
+                    return x[k]
                 ax = axis % x.ndim
                 b = x.shape[ax] // M
-                return jax.lax.slice_in_dim(x, k * b, (k + 1) * b, axis=ax)
+                if isinstance(k, int):
+                    return jax.lax.slice_in_dim(x, k * b, (k + 1) * b, axis=ax)
+                return jax.lax.dynamic_slice_in_dim(x, k * b, b, axis=ax)  # the reference
 
-            return tuple(jax.tree.map(cut, a) if i in pos else a for i, a in enumerate(args))
+            return tuple(
+                constrain(i, jax.tree.map(cut, a)) if i in specs else a for i, a in enumerate(args)
+            )
+
+        def call(k_args: tuple[Any, ...]) -> tuple[Any, Any]:
+            out = fun(*k_args, **kwargs)
+            if has_aux:
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise ValueError(
+                        "microbatch(has_aux=True) needs fun to return a pair (out, aux); got "
+                        f"{type(out).__name__}."
+                    )
+                return out
+            return out, None
 
         state = trace_state()
         with stage_limit(sched):
@@ -115,40 +164,88 @@ def microbatch(
                 # slice outside the microbatch scopes, so that each stage's fragments are
                 # identical across microbatches and share one executable
                 pieces = [piece(k) for k in range(M)]
-                acc = None
+                acc: Any = None
+                per_mb: list[tuple[Any, Any]] = []
+                red = None
                 for k in range(M):
                     with jax.named_scope(f"mb{k}@mm:L{loop}"):
-                        out = fun(*pieces[k], **kwargs)
-                        acc = out if acc is None else jax.tree.map(jnp.add, acc, out)
-                outs = acc
+                        out, aux = call(pieces[k])
+                        if red is None:
+                            red = _reduce_tree(reduce, out)
+                        summed = jax.tree.map(lambda r, o: None if r == "stack" else o, red, out)
+                        acc = summed if acc is None else jax.tree.map(_add, acc, summed)
+                    per_mb.append(
+                        (jax.tree.map(lambda r, o: o if r == "stack" else None, red, out), aux)
+                    )
+                stacked_out = _stack([p for p, _ in per_mb])
+                aux_out = _stack([a for _, a in per_mb])
+                outs = jax.tree.map(
+                    lambda r, a, st: st if r == "stack" else a,
+                    red,
+                    acc,
+                    stacked_out,
+                    is_leaf=lambda x: x is None,
+                )
             else:
-                outs = _scan_reference(fun, M, axis, pos, args, kwargs)
-        red = _reduce_tree(reduce, outs)
-        return jax.tree.map(lambda r, o: o / M if r == "mean" else o, red, outs)
+                red, outs, aux_out = _scan_reference(call, M, piece, reduce)
+        outs = jax.tree.map(lambda r, o: o / M if r == "mean" else o, red, outs)
+        return (outs, aux_out) if has_aux else outs
 
     return wrapped
 
 
-def _scan_reference(fun, M, axis, pos, args, kwargs):
-    def split(x: Any) -> Any:
-        x = jnp.asarray(x)
-        ax = axis % x.ndim
-        b = x.shape[ax] // M
-        x = x.reshape(x.shape[:ax] + (M, b) + x.shape[ax + 1 :])
-        return jnp.moveaxis(x, ax, 0)
+def _check_leaf(i: int, path: Any, shape: tuple[int, ...], M: int, axis: int, stacked: bool):
+    where = f"argument {i}{jax.tree_util.keystr(path)}"
+    if stacked:
+        if not shape or shape[0] != M:
+            raise ValueError(
+                f"{where} has shape {shape}; with stacked=True every batch argument needs a "
+                f"leading microbatch axis of size {M}."
+            )
+        return
+    if not -len(shape) <= axis < len(shape):
+        raise ValueError(f"microbatch axis {axis} is out of range for {where} of shape {shape}.")
+    if shape[axis] % M:
+        raise ValueError(
+            f"{where} has batch size {shape[axis]} along axis {axis}, which does not split "
+            f"into {M} microbatches; use a batch size divisible by {M}."
+        )
 
-    xs = {i: jax.tree.map(split, args[i]) for i in pos}
 
-    def call(pieces: dict[int, Any]) -> Any:
-        full = tuple(pieces[i] if i in pieces else a for i, a in enumerate(args))
-        return fun(*full, **kwargs)
+def _add(a: Any, b: Any) -> Any:
+    return None if a is None else jnp.add(a, b)
 
-    first = jax.eval_shape(call, {i: jax.tree.map(lambda x: x[0], v) for i, v in xs.items()})
-    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), first)
 
-    def body(carry: Any, mb: dict[int, Any]) -> tuple[Any, None]:
-        out = call(mb)
-        return jax.tree.map(lambda c, o: c + o.astype(c.dtype), carry, out), None
+def _stack(trees: list[Any]) -> Any:
+    if trees[0] is None:
+        return None
+    return jax.tree.map(
+        lambda *xs: None if xs[0] is None else jnp.stack(xs), *trees, is_leaf=lambda x: x is None
+    )
 
-    acc, _ = jax.lax.scan(body, init, xs)
-    return acc
+
+def _scan_reference(call, M, piece, reduce):
+    """The reference: ``lax.scan`` over microbatches, summing or stacking outputs."""
+    first_out, _ = jax.eval_shape(lambda: call(piece(0)))
+    red = _reduce_tree(reduce, first_out)
+    init = jax.tree.map(
+        lambda r, s: None if r == "stack" else jnp.zeros(s.shape, s.dtype), red, first_out
+    )
+
+    def body(carry: Any, k: Any) -> tuple[Any, Any]:
+        out, aux = call(piece(k))
+        new = jax.tree.map(
+            lambda r, c, o: None if r == "stack" else c + o.astype(c.dtype),
+            red,
+            carry,
+            out,
+            is_leaf=lambda x: x is None,
+        )
+        ys = jax.tree.map(lambda r, o: o if r == "stack" else None, red, out)
+        return new, (ys, aux)
+
+    acc, (ys, aux) = jax.lax.scan(body, init, jnp.arange(M))
+    outs = jax.tree.map(
+        lambda r, a, y: y if r == "stack" else a, red, acc, ys, is_leaf=lambda x: x is None
+    )
+    return red, outs, aux

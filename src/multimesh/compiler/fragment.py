@@ -83,11 +83,16 @@ def fragment(
 
     # 1. ASAP levels
     avail: dict[Slot, tuple[int, str]] = {}
+    looped: set[Slot] = set()  # values computed in (or from) a microbatch loop
 
-    def publish(slot: Slot, level: int, ph: str) -> None:
+    def publish(slot: Slot, level: int, ph: str, in_loop: bool = False) -> None:
         avail[slot] = (level, ph)
+        if in_loop:
+            looped.add(slot)
         for dst in transfers_from.get(slot, ()):
             avail[(slot[0], dst)] = (level + 1, "X")
+            if in_loop:
+                looped.add((slot[0], dst))
 
     for v, stages in placement.input_stages.items():
         for s in stages:
@@ -98,19 +103,23 @@ def fragment(
     for i, e in enumerate(prog.eqns):
         for s in placement.instances[i]:
             lvl = 0
+            from_loop = mbs[i] is not None
             for a in e.invars:
                 if isinstance(a, Literal):
                     continue
                 al, aph = avail[(a, s)]
                 lvl = max(lvl, al + (1 if aph == "F" and phase[i] == "B" else 0))
-            key = (s, mbs[i], phase[i], lvl)
+                from_loop = from_loop or (a, s) in looped
+            # work after a microbatch loop never shares a group with work before it
+            post = mbs[i] is None and from_loop
+            key = (s, mbs[i], phase[i], lvl, post)
             key_of[(i, s)] = key
             if key not in groups_by_key:
                 groups_by_key[key] = len(groups)
                 groups.append(_Group(s, mbs[i], phase[i], lvl, set()))
             groups[groups_by_key[key]].eqns.add(i)
             for o in e.outvars:
-                publish((o, s), lvl, phase[i])
+                publish((o, s), lvl, phase[i], from_loop)
 
     # group graph
     made_by: dict[Slot, int] = {}
