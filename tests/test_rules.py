@@ -120,3 +120,37 @@ def test_rule_errors(mesh4x2):
         mm.jit(loss, mesh=mesh4x2, task_rules={"embed": "0"})
     with pytest.raises(ValueError, match="not a valid regex"):
         mm.jit(loss, mesh=mesh4x2, task_rules={"(": 0})
+
+
+def test_rules_inside_a_loop_body(mesh4x2):
+    def model(ws, x):
+        def body(h, w):
+            with jax.named_scope("layers"):
+                return jnp.tanh(h @ w), None
+
+        with jax.named_scope("stack"):
+            h, _ = jax.lax.scan(body, x, ws)
+        with jax.named_scope("head"):
+            return (h**2).mean()
+
+    ws = jnp.stack([jnp.eye(4) * 0.5] * 4)
+    x = jnp.ones((2, 4))
+    # the whole scan on one stage: placed there, not silently on stage 0
+    f = mm.jit(model, mesh=mesh4x2, task_rules={"layers": 2, "head": 3})
+    got = f(ws, x)
+    assert_close(got, reference(model, mesh4x2, ws, x))
+    plan = f.lower(ws, x).plan
+    assert sorted({fr.stage for fr in plan.fragments}) == [2, 3]
+
+    # a loop body that would need two submeshes is a clear error, never a silent run
+    def model2(ws, x):
+        def body(h, w):
+            with jax.named_scope("attn"):
+                h = jnp.tanh(h @ w)
+            with jax.named_scope("mlp"):
+                return h * 2, None
+
+        return jax.lax.scan(body, x, ws)[0].sum()
+
+    with pytest.raises(ValueError, match=r"inside a `scan` body together with code for another"):
+        mm.jit(model2, mesh=mesh4x2, task_rules={"attn": 0, "mlp": 1})(ws, x)

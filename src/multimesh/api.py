@@ -177,13 +177,16 @@ class MpmdFunction:
                 closed = jax.make_jaxpr(flat_fun)(*[trace_arg(x) for x in flat])
         finally:
             reset_active(tok)
-        prog: FlatProgram = inline.flatten(closed)
         rules = Rules(self._task_rules) if self._task_rules is not None else None
         chunks = (
             max([1] + [lp.schedule.chunks(mmesh.num_stages, 1 << 20) for lp in state.loops])
             if mmesh is not None
             else 1
         )
+        if rules is not None and mmesh is None:
+            raise ValueError("task_rules map scopes to stages: pass mesh=mmesh to mm.jit.")
+        limit = mmesh.num_stages * chunks if mmesh is not None else 0
+        prog: FlatProgram = inline.flatten(closed, rules, limit)
         labels: Labels = label.label(prog, mmesh, rules, chunks)
         traced = Traced(
             jaxpr=closed,

@@ -11,6 +11,7 @@ device first.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -25,6 +26,10 @@ from multimesh.tasks import task as _task
 _compat.register_exclusion(__file__)
 
 _CLASSES: dict[Any, type] = {}
+# while mm.flax.init traces: Linen module path -> the logical axis rules of its task
+_RULES_BY_PATH: contextvars.ContextVar[dict[tuple, Any] | None] = contextvars.ContextVar(
+    "multimesh_linen_rules", default=None
+)
 
 
 def _nnx_class(cls: type) -> type:
@@ -33,7 +38,12 @@ def _nnx_class(cls: type) -> type:
         return _CLASSES[cls]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
-        with _task(self.mm_task_name, stage=self.mm_stage, mesh=self.mm_mesh):
+        with _task(
+            self.mm_task_name,
+            stage=self.mm_stage,
+            mesh=self.mm_mesh,
+            logical_axis_rules=getattr(self, "mm_rules", None),
+        ):
             return cls.__call__(self, *args, **kwargs)
 
     sub = type(
@@ -50,13 +60,18 @@ def _nnx_class(cls: type) -> type:
     return sub
 
 
-def _linen_class(cls: type, stage: int | None, mesh: Mesh | None, name: str | None) -> type:
-    key = (cls, ("linen", stage, mesh, name))
+def _linen_class(
+    cls: type, stage: int | None, mesh: Mesh | None, name: str | None, rules: Any = None
+) -> type:
+    key = (cls, ("linen", stage, mesh, name, rules))
     if key in _CLASSES:
         return _CLASSES[key]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
-        with _task(name or cls.__name__, stage=stage, mesh=mesh):
+        reg = _RULES_BY_PATH.get()
+        if reg is not None and rules and getattr(self, "scope", None) is not None:
+            reg[tuple(self.scope.path)] = rules  # for mm.flax.init's declared shardings
+        with _task(name or cls.__name__, stage=stage, mesh=mesh, logical_axis_rules=rules):
             return cls.__call__(self, *args, **kwargs)
 
     sub = type(
@@ -74,8 +89,10 @@ def task(
     stage: int | None = None,
     mesh: Mesh | None = None,
     name: str | None = None,
+    logical_axis_rules: Any = None,
 ) -> Any:
-    """Run a Flax module (and its gradient) on one submesh.
+    """Run a Flax module (and its gradient) on one submesh (with its own
+    ``logical_axis_rules``, if given: see :func:`multimesh.task`).
 
     - an NNX module instance: returned (same object, same parameter paths) with its
       ``__call__`` inside ``mm.task``;
@@ -98,11 +115,14 @@ def task(
         module.mm_stage = stage
         module.mm_mesh = mesh
         module.mm_task_name = name or base.__name__
+        module.mm_rules = (
+            tuple((str(k), v) for k, v in logical_axis_rules) if logical_axis_rules else None
+        )
         return module
     if isinstance(module, type) and issubclass(module, nn.Module):
-        return _linen_class(module, stage, mesh, name)
+        return _linen_class(module, stage, mesh, name, _rules_key(logical_axis_rules))
     if isinstance(module, nn.Module):
-        sub = _linen_class(type(module), stage, mesh, name)
+        sub = _linen_class(type(module), stage, mesh, name, _rules_key(logical_axis_rules))
         fields = {
             f.name: getattr(module, f.name)
             for f in dataclasses.fields(module)
@@ -113,6 +133,10 @@ def task(
         f"mm.flax.task takes an NNX module, a Linen module or a Linen module class; got "
         f"{type(module).__name__}."
     )
+
+
+def _rules_key(rules: Any) -> Any:
+    return tuple((str(k), v) for k, v in rules) if rules else None
 
 
 def init(
@@ -139,11 +163,16 @@ def init(
     from multimesh.api import jit
 
     def placed(*args: Any, **kwargs: Any) -> Any:
-        out = fn(*args, **kwargs)
+        rules_by_path: dict[tuple, Any] = {}
+        tok = _RULES_BY_PATH.set(rules_by_path)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _RULES_BY_PATH.reset(tok)
         leaves, tree = jax.tree_util.tree_flatten_with_path(out, is_leaf=_is_box)
         stage_of = _per_leaf(stages, out, leaves, "stages")
         spec_of = (
-            [_declared_spec(x) for _, x in leaves]
+            [_declared_spec(x, _rules_for(path, rules_by_path)) for path, x in leaves]
             if isinstance(shardings, str) and shardings == "declared"
             else _per_leaf(shardings, out, leaves, "shardings")
         )
@@ -171,8 +200,21 @@ def _is_box(x: Any) -> bool:
     return isinstance(x, meta.AxisMetadata)
 
 
-def _declared_spec(x: Any) -> Any:
-    """The PartitionSpec a Linen box declares (logical names through the active rules)."""
+def _rules_for(path: Any, rules_by_path: dict[tuple, Any]) -> Any:
+    """The logical rules of the innermost task-wrapped Linen module holding ``path``."""
+    keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+    best, found = -1, None
+    for mpath, rules in rules_by_path.items():
+        n = len(mpath)
+        # params paths are (collection, *module path, name)
+        if n > best and keys[1 : 1 + n] == tuple(mpath):
+            best, found = n, rules
+    return found
+
+
+def _declared_spec(x: Any, task_rules: Any = None) -> Any:
+    """The PartitionSpec a Linen box declares (logical names through the rules of the
+    box, of the task that created it, or the active ``nn.logical_axis_rules``)."""
     if not _is_box(x):
         return None
     from flax import linen as nn
@@ -181,7 +223,7 @@ def _declared_spec(x: Any) -> Any:
     if names is None:
         return None
     if isinstance(x, nn.LogicallyPartitioned):
-        rules = getattr(x, "rules", None)
+        rules = getattr(x, "rules", None) or task_rules
         return nn.logical_to_mesh_axes(names, rules)
     return jax.sharding.PartitionSpec(*names)
 
@@ -239,7 +281,10 @@ def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
             path = tuple(path)
             for opath, owner in owners:
                 if path[: len(opath)] == opath:
-                    place = _task(owner.mm_task_name, stage=owner.mm_stage, mesh=owner.mm_mesh)
+                    stage = owner.mm_stage
+                    if stage is not None:  # virtual (interleaved) stage -> its submesh
+                        stage = stage % mesh.num_stages
+                    place = _task(owner.mm_task_name, stage=stage, mesh=owner.mm_mesh)
                     node.set_value(place(lambda y: y + 0)(node.get_value()))
                     break
         graphdef, state = nnx.split(model)

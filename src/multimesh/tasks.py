@@ -205,8 +205,15 @@ def check_stage_range(name: str, stage: int, num_stages: int, limit: int) -> Non
 class _Task:
     """Context manager (and decorator) placing traced code on one submesh."""
 
-    def __init__(self, name: str | None, stage: int | None, mesh: Mesh | None) -> None:
+    def __init__(
+        self,
+        name: str | None,
+        stage: int | None,
+        mesh: Mesh | None,
+        logical_axis_rules: Any = None,
+    ) -> None:
         self.name, self.stage, self.mesh = name, stage, mesh
+        self.logical_axis_rules = _check_rules(name, logical_axis_rules)
         # per-thread stack of open entries: one task object may be entered by several
         # threads at once (e.g. a decorated function traced concurrently)
         self._local = threading.local()
@@ -235,6 +242,10 @@ class _Task:
             if ctx is None and state.multimesh is not None:
                 ctx = state.multimesh.mesh
             es.enter_context(_compat.use_abstract_mesh((ctx or submesh).abstract_mesh))
+        if self.logical_axis_rules is not None:
+            from flax import linen as nn  # logical names as Flax (Linen and NNX) resolve them
+
+            es.enter_context(nn.logical_axis_rules(self.logical_axis_rules))
         tok = _CURRENT.set(self.name)
         self._local.__dict__.setdefault("stack", []).append((es, tok))
         return self
@@ -246,7 +257,8 @@ class _Task:
 
     def __call__(self, fn: F) -> F:
         if self.name is None:  # @mm.task(stage=1): the task takes the function's name
-            return _Task(getattr(fn, "__name__", None) or "task", self.stage, self.mesh)(fn)
+            name = getattr(fn, "__name__", None) or "task"
+            return _Task(name, self.stage, self.mesh, self.logical_axis_rules)(fn)
 
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -256,15 +268,43 @@ class _Task:
         return wrapped  # type: ignore[return-value]
 
 
-@overload
-def task(name: str, *, stage: int | None = None, mesh: Mesh | None = None) -> _Task: ...
+def _check_rules(name: str | None, rules: Any) -> Any:
+    if rules is None:
+        return None
+    try:
+        rules = tuple((str(k), v) for k, v in rules)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"task {name!r}: logical_axis_rules must be pairs (logical name, mesh axis or "
+            f"axes or None), as for flax.linen.logical_axis_rules; got {rules!r}."
+        ) from None
+    return rules
+
+
 @overload
 def task(
-    fn: F, *, name: str | None = None, stage: int | None = None, mesh: Mesh | None = None
+    name: str,
+    *,
+    stage: int | None = None,
+    mesh: Mesh | None = None,
+    logical_axis_rules: Any = None,
+) -> _Task: ...
+@overload
+def task(
+    fn: F,
+    *,
+    name: str | None = None,
+    stage: int | None = None,
+    mesh: Mesh | None = None,
+    logical_axis_rules: Any = None,
 ) -> F: ...
 @overload
 def task(
-    *, name: str | None = None, stage: int | None = None, mesh: Mesh | None = None
+    *,
+    name: str | None = None,
+    stage: int | None = None,
+    mesh: Mesh | None = None,
+    logical_axis_rules: Any = None,
 ) -> _Task: ...
 
 
@@ -274,6 +314,7 @@ def task(
     name: str | None = None,
     stage: int | None = None,
     mesh: Mesh | None = None,
+    logical_axis_rules: Any = None,
 ) -> Any:
     """Place code (and its gradient) on one submesh.
 
@@ -283,6 +324,12 @@ def task(
     a name (``@mm.task(stage=1)``) the task takes the function's name. Outside
     ``mm.jit`` a task is transparent: only a named scope, so the function runs as plain
     JAX anywhere (eagerly, under ``jax.jit`` on one device, under ``grad``/``vmap``).
+
+    ``logical_axis_rules`` (pairs ``(logical name, mesh axes)``, as for
+    ``flax.linen.logical_axis_rules``) resolve logical axis names inside this task (Flax
+    ``nn.with_logical_constraint``, ``with_logical_partitioning``, NNX sharding names),
+    so one model written with logical names runs on submeshes with different physical
+    layouts. They apply wherever the task runs, the reference included.
     """
     if callable(name_or_fn) and not isinstance(name_or_fn, str):
         fn = name_or_fn
@@ -292,7 +339,7 @@ def task(
                 f"task {tname!r}: give exactly one of stage= or mesh=; "
                 f"got stage={stage!r}, mesh={mesh!r}."
             )
-        return _Task(tname, stage, mesh)(fn)
+        return _Task(tname, stage, mesh, logical_axis_rules)(fn)
     if name_or_fn is not None and name is not None:
         raise TypeError("give the task name once: mm.task('name', ...) or mm.task(name='name').")
     tname = name_or_fn if name_or_fn is not None else name
@@ -301,4 +348,4 @@ def task(
             f"task {tname!r}: give exactly one of stage= or mesh=; "
             f"got stage={stage!r}, mesh={mesh!r}."
         )
-    return _Task(tname, stage, mesh)
+    return _Task(tname, stage, mesh, logical_axis_rules)

@@ -86,8 +86,9 @@ def _inlinable_glue(e: Any, ns: Any) -> bool:
     return all(_unspecified(s) for s in shs)
 
 
-def flatten(closed: Any) -> FlatProgram:
-    """Inline calls containing tasks; check loops/conditionals hold at most one submesh."""
+def flatten(closed: Any, rules: Any = None, limit: int = 0) -> FlatProgram:
+    """Inline calls containing tasks (or scopes ``rules`` place); check that loops and
+    conditionals hold at most one submesh."""
     memo: dict[int, set[TaskRef]] = {}
     consts_vars: list[Any] = list(closed.jaxpr.constvars)
     consts: list[Any] = list(closed.consts)
@@ -109,8 +110,10 @@ def flatten(closed: Any) -> FlatProgram:
             if body_param is not None and body_param in e.params:
                 body = e.params[body_param]
                 body_jaxpr = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
-                if inner_tasks(body_jaxpr, memo) or (
-                    prim in ("jit", "pjit") and _inlinable_glue(e, ns)
+                if (
+                    inner_tasks(body_jaxpr, memo)
+                    or (prim in ("jit", "pjit") and _inlinable_glue(e, ns))
+                    or (rules is not None and ruled(e, ns))
                 ):
                     _inline(e, body, ns)
                     continue
@@ -119,6 +122,8 @@ def flatten(closed: Any) -> FlatProgram:
                 inside: set[TaskRef] = set()
                 for sub in subs:
                     inside |= inner_tasks(sub, memo)
+                if rules is not None and not eqn_tasks(e):
+                    inside |= ruled(e, ns)
                 if inside:
                     own = {_placement_key(r) for r in eqn_tasks(e)}
                     keys = {_placement_key(r) for r in inside} | own
@@ -126,15 +131,18 @@ def flatten(closed: Any) -> FlatProgram:
                         names = sorted({r.name for r in inside})
                         raise ValueError(
                             f"task(s) {names} sit inside a `{prim}` body together with code "
-                            "for another submesh; MultiMesh cannot split a loop or "
-                            f"conditional across submeshes. Move the task(s) out of the "
-                            f"`{prim}` (e.g. unroll the loop in Python) or put the whole "
-                            f"`{prim}` inside one task."
+                            "for another submesh (from mm.task or task_rules); MultiMesh "
+                            "cannot split a loop or conditional across submeshes. Move the "
+                            f"task(s) out of the `{prim}` (e.g. unroll the loop in Python, "
+                            f"or scan_layers=False), or put the whole `{prim}` on one stage."
                         )
             new = e.replace(invars=[read(a) for a in e.invars])
             if name_stack is not None:
                 new = _compat.with_name_stack(new, ns)
             eqns.append(new)
+
+    def ruled(e: Any, ns: Any) -> set[TaskRef]:
+        return rules.stages_inside(e.params, _compat.scope_names(ns), limit)
 
     def _inline(e: Any, body: Any, ns: Any) -> None:
         if isinstance(body, jcore.ClosedJaxpr):

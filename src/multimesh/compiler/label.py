@@ -51,7 +51,14 @@ def label(
         limit = mmesh.num_stages * virtual_stages
         for i, e in enumerate(prog.eqns):
             if tasks[i] is None:
-                tasks[i] = rules.match(_compat.scope_names(e.source_info.name_stack), limit)
+                scopes = _compat.scope_names(e.source_info.name_stack)
+                tasks[i] = rules.match(scopes, limit)
+                if tasks[i] is None and e.params:
+                    # a loop or call whose body the rules place on one stage (flatten
+                    # already refused bodies needing several)
+                    inside = rules.stages_inside(e.params, scopes, limit)
+                    if len(inside) == 1:
+                        tasks[i] = next(iter(inside))
         rules.warn_unmatched()
     targets: list[Target] = []
     if mmesh is not None:

@@ -83,6 +83,22 @@ class Rules:
         self._memo[key] = ref
         return ref
 
+    def stages_inside(self, params: dict[str, Any], outer: list[str], limit: int) -> set[TaskRef]:
+        """Tasks the rules give equations inside an equation's nested jaxprs (a call,
+        ``jax.checkpoint``/``nn.remat`` body, or a loop body), whose scopes continue the
+        outer ones."""
+        from multimesh.compiler.inline import _sub_jaxprs
+
+        found: set[TaskRef] = set()
+        for sub in _sub_jaxprs(params):
+            for e in sub.eqns:
+                scopes = outer + _compat.scope_names(e.source_info.name_stack)
+                ref = self.match(scopes, limit)
+                if ref is not None:
+                    found.add(ref)
+                found |= self.stages_inside(e.params, scopes, limit)
+        return found
+
     def warn_unmatched(self) -> None:
         if self.overlaps:
             rows = "; ".join(

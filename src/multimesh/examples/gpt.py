@@ -34,6 +34,8 @@ class Config:
     tied: bool = False
     tp: bool = False  # shard heads / MLP hidden over "model", batch over "data"
     dp: bool = False  # shard the batch over "data"
+    fsdp: bool = False  # also shard each block's kernels over "data" (ZeRO-3 style)
+    remat: bool = False  # recompute each block in the backward pass (jax.checkpoint)
 
     def stage_of_layer(self, i: int) -> int:
         return i * self.stages // self.layers
@@ -97,15 +99,23 @@ class Embed(nnx.Module):
         return _constrain(self.tok(tokens) + self.pos[...][None], self.cfg, None)
 
 
+def _kernel_init(cfg: Config) -> Any:
+    init = nnx.initializers.lecun_normal()
+    # FSDP: kernels stored sharded over "data" on their stage's submesh (declared as NNX
+    # sharding metadata, so mm.flax.create makes them sharded in place)
+    return nnx.with_partitioning(init, ("data", None)) if cfg.fsdp else init
+
+
 class Block(nnx.Module):
     def __init__(self, cfg: Config, rngs: nnx.Rngs) -> None:
         self.cfg = cfg
+        k = _kernel_init(cfg)
         self.ln1 = nnx.LayerNorm(cfg.d, rngs=rngs)
-        self.qkv = nnx.Linear(cfg.d, 3 * cfg.d, rngs=rngs)
-        self.out = nnx.Linear(cfg.d, cfg.d, rngs=rngs)
+        self.qkv = nnx.Linear(cfg.d, 3 * cfg.d, kernel_init=k, rngs=rngs)
+        self.out = nnx.Linear(cfg.d, cfg.d, kernel_init=k, rngs=rngs)
         self.ln2 = nnx.LayerNorm(cfg.d, rngs=rngs)
-        self.up = nnx.Linear(cfg.d, 4 * cfg.d, rngs=rngs)
-        self.down = nnx.Linear(4 * cfg.d, cfg.d, rngs=rngs)
+        self.up = nnx.Linear(cfg.d, 4 * cfg.d, kernel_init=k, rngs=rngs)
+        self.down = nnx.Linear(4 * cfg.d, cfg.d, kernel_init=k, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg
@@ -142,7 +152,7 @@ class GPT(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens)
         for b in self.blocks:
-            x = b(x)
+            x = nnx.remat(lambda blk, y: blk(y))(b, x) if self.cfg.remat else b(x)
         return self.head(x, self.embed.tok.embedding[...] if self.cfg.tied else None)
 
 
@@ -187,8 +197,9 @@ class LinenGPT(nn.Module):
         embed = nn.Embed(cfg.vocab, cfg.d, name="embed")
         pos = self.param("pos", nn.initializers.normal(0.02), (cfg.seq, cfg.d))
         x = _constrain(embed(tokens) + pos[None], cfg, None)
+        block = nn.remat(LinenBlock) if cfg.remat else LinenBlock
         for i in range(cfg.layers):
-            x = LinenBlock(cfg, name=f"layers_{i}")(x)
+            x = block(cfg, name=f"layers_{i}")(x)
         x = nn.LayerNorm(name="final_norm")(x)
         if cfg.tied:  # the shared table is used on the first and the last stage
             with jax.named_scope("logits"):
