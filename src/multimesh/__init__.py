@@ -14,11 +14,13 @@ from multimesh.mesh import make_mesh as make_mesh
 from multimesh.microbatch import microbatch as microbatch
 from multimesh.stages import Compiled as Compiled
 from multimesh.stages import Lowered as Lowered
+from multimesh.tasks import by_layer as by_layer
 from multimesh.tasks import task as task
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "by_layer",
     "Compiled",
     "flax",
     "Lowered",

@@ -56,6 +56,11 @@ def concat_name_stacks(outer: Any, inner: Any) -> Any:
     return outer + inner
 
 
+def push_scope(name_stack: Any, scope: str) -> Any:
+    """The name stack with one more named scope inside."""
+    return name_stack.extend(scope)
+
+
 def with_name_stack(eqn: JaxprEqn, name_stack: Any) -> JaxprEqn:
     return eqn.replace(source_info=eqn.source_info.replace(name_stack=name_stack))
 

@@ -35,7 +35,7 @@ from multimesh.arguments import (
     leaf_key,
     trace_arg,
 )
-from multimesh.compiler import inline, label
+from multimesh.compiler import inline, label, layers
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.rules import Rules
 from multimesh.mesh import MultiMesh, active_multimesh, reset_active, set_active
@@ -187,6 +187,8 @@ class MpmdFunction:
             raise ValueError("task_rules map scopes to stages: pass mesh=mmesh to mm.jit.")
         limit = mmesh.num_stages * chunks if mmesh is not None else 0
         prog: FlatProgram = inline.flatten(closed, rules, limit)
+        if mmesh is not None:
+            prog = layers.split_scans(prog, rules, mmesh.num_stages, limit)
         labels: Labels = label.label(prog, mmesh, rules, chunks)
         traced = Traced(
             jaxpr=closed,

@@ -20,11 +20,11 @@ import jax
 from multimesh import _compat
 from multimesh.arguments import Call, DeletedArgument, check_call_types, deleted_error, leaf_key
 from multimesh.compiler import fragment as frag_pass
-from multimesh.compiler import pack, place
+from multimesh.compiler import layers, pack, place
 from multimesh.compiler import plan as plan_pass
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.runtime.executor import Executable
-from multimesh.runtime.inputs import InputInfo, analyze
+from multimesh.runtime.inputs import InputInfo, analyze, committed_sharding
 
 if TYPE_CHECKING:
     from multimesh.api import MpmdFunction
@@ -68,7 +68,23 @@ class Lowered:
         mmesh = fn.multimesh
         prog, labels = traced.prog, traced.labels
         stage_axis = mmesh.stage_axis if mmesh is not None else None
+        # stacked layers split over stages: stage-sharded arguments enter as their
+        # per-stage rows, and split outputs leave as one stage-sharded array
+        prog, self._pieces, keep = layers.bind_stage_inputs(
+            prog, [committed_sharding(x) for x in flat], stage_axis, labels.targets
+        )
+        if self._pieces:
+            labels = labels.select(keep)
+        self._assembled: dict[int, list[int]] = {}
+        if mmesh is not None:
+            prog, self._assembled = layers.bind_stage_outputs(prog, mmesh.num_stages, out_shardings)
+            self._out_shardings = list(out_shardings) + [None] * (
+                len(prog.outvars) - len(out_shardings)
+            )
         self.input_infos: list[InputInfo] = [analyze(x, labels.targets, stage_axis) for x in flat]
+        self.input_infos += [
+            InputInfo(frozenset({p.stage}), "piece") for _j, p in sorted(self._pieces.items())
+        ]
         default = (
             min(s for s in labels.stages if s is not None)
             if any(s is not None for s in labels.stages)
@@ -123,6 +139,8 @@ class Lowered:
             out_shardings=self._out_shardings,
             compiler_options=compiler_options,
             exe_cache=fn._exe_cache,
+            pieces=self._pieces,
+            assembled=self._assembled,
         )
         compiled = Compiled(exe, self, fn)
         fn._register(self._key, compiled)

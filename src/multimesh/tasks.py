@@ -33,7 +33,7 @@ _compat.register_exclusion(__file__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 MARKER = "@mm:"
-_MARKER_RE = re.compile(r"^(?P<name>.*)@mm:(?P<kind>[sm])(?P<idx>\d+)$")
+_MARKER_RE = re.compile(r"^(?P<name>.*)@mm:(?P<kind>[sml])(?P<idx>\d+)$")
 
 # Interning table for explicit task meshes: a marker must be self-describing, because JAX
 # may reuse a jaxpr traced earlier (e.g. a cached nested jit).
@@ -51,12 +51,56 @@ def _mesh_id(mesh: Mesh) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class ByLayer:
+    """Stages by layer: the stage of each iteration of a ``scan`` over stacked layers.
+
+    ``mm.by_layer()`` splits the layers evenly and contiguously over the submeshes;
+    ``mm.by_layer(lambda i, n: ...)`` gives layer ``i`` of ``n`` its (virtual) stage.
+    Use it as a task's ``stage`` inside the scanned body, or as a ``task_rules`` value
+    for a scope inside the body: ``mm.jit`` then splits the scan (and its backward)
+    into one scan per run of consecutive layers on the same stage.
+    """
+
+    fn: Callable[[int, int], int] | None = None
+
+    def stages(self, num_layers: int, num_stages: int) -> list[int]:
+        out = []
+        for i in range(num_layers):
+            s = self.fn(i, num_layers) if self.fn is not None else i * num_stages // num_layers
+            if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+                raise TypeError(f"mm.by_layer: the stage of layer {i} must be an int, got {s!r}.")
+            out.append(int(s))
+        return out
+
+
+def by_layer(fn: Callable[[int, int], int] | None = None) -> ByLayer:
+    """Stages per layer for a ``scan`` over stacked layers (see :class:`ByLayer`)."""
+    if fn is not None and not callable(fn):
+        raise TypeError(f"mm.by_layer takes a callable (layer, num_layers) -> stage, got {fn!r}.")
+    return ByLayer(fn)
+
+
+_LAYER_IDS: dict[ByLayer, int] = {}
+_LAYERS: list[ByLayer] = []
+
+
+def _layer_id(spec: ByLayer) -> int:
+    with _MESH_LOCK:
+        if spec not in _LAYER_IDS:
+            _LAYER_IDS[spec] = len(_LAYERS)
+            _LAYERS.append(spec)
+        return _LAYER_IDS[spec]
+
+
+@dataclasses.dataclass(frozen=True)
 class TaskRef:
-    """A task as recorded in a name stack: its name and either a stage or a mesh."""
+    """A task as recorded in a name stack: its name and either a stage, a mesh, or
+    stages by layer (for a scan over layers, split by the compiler)."""
 
     name: str
     stage: int | None
     mesh: Mesh | None
+    layers: ByLayer | None = None
 
 
 def decode_marker(scope: str) -> TaskRef | None:
@@ -69,6 +113,8 @@ def decode_marker(scope: str) -> TaskRef | None:
     idx = int(m["idx"])
     if m["kind"] == "s":
         return TaskRef(m["name"], idx, None)
+    if m["kind"] == "l":
+        return TaskRef(m["name"], None, None, _LAYERS[idx])
     return TaskRef(m["name"], None, _MESHES[idx])
 
 
@@ -167,6 +213,8 @@ def resolve(name: str, stage: Any, mesh: Any) -> tuple[str, Mesh | None]:
     if mesh is not None:
         mesh = _check_mesh(mesh, name, mmesh)
         return f"{name}{MARKER}m{_mesh_id(mesh)}", mesh
+    if isinstance(stage, ByLayer):  # placed per layer when mm.jit splits the scan
+        return f"{name}{MARKER}l{_layer_id(stage)}", None
     if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)):
         raise TypeError(f"task {name!r}: stage must be an int, got {stage!r}.")
     stage = int(stage)

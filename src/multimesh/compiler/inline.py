@@ -70,6 +70,8 @@ def inner_tasks(jaxpr: Any, _memo: dict[int, set[TaskRef]] | None = None) -> set
 
 
 def _placement_key(ref: TaskRef) -> Any:
+    if ref.layers is not None:
+        return ("l", ref.layers)
     return ("s", ref.stage) if ref.mesh is None else ("m", ref.mesh)
 
 

@@ -28,6 +28,7 @@ class FlatProgram:
     consts: list[Any]
     outvars: list[Any]
     eqns: list[Any]
+    splits: dict[Any, Any] = dataclasses.field(default_factory=dict)  # layers.Split per var
 
 
 ANY = None  # a value that can be put on (or recomputed on) any stage
@@ -56,6 +57,21 @@ class Labels:
     task_meshes: list[Mesh | None]  # the mesh each tagged eqn's shardings refer to
     microbatch: list[tuple[int, int] | None] = dataclasses.field(default_factory=list)
     virtual: list[int | None] = dataclasses.field(default_factory=list)  # task stage ids
+
+    def select(self, keep: list[int]) -> Labels:
+        """The labels of equations ``keep`` (after a pass removed others)."""
+
+        def pick(xs: list[Any]) -> list[Any]:
+            return [xs[i] for i in keep] if xs else xs
+
+        return dataclasses.replace(
+            self,
+            tasks=pick(self.tasks),
+            stages=pick(self.stages),
+            task_meshes=pick(self.task_meshes),
+            microbatch=pick(self.microbatch),
+            virtual=pick(self.virtual),
+        )
 
 
 @dataclasses.dataclass

@@ -25,6 +25,14 @@ def _eqn_task(eqn: Any, memo: dict) -> TaskRef | None:
     refs = list(own)
     for sub in _sub_jaxprs(eqn.params):
         refs.extend(inner_tasks(sub, memo))
+    layered = [r for r in refs if r.layers is not None]
+    refs = [r for r in refs if r.layers is None]
+    if layered and not refs:
+        raise ValueError(
+            f"task {layered[0].name!r}: stage=mm.by_layer(...) places the iterations of a "
+            "scan over layers; use it inside the body of a jax.lax.scan (nn.scan, "
+            "nnx.scan), not around other code."
+        )
     distinct = {(r.name, r.stage, r.mesh) for r in refs}
     if len(distinct) > 1:
         names = [r.name for r in own] or sorted({r.name for r in refs})
@@ -53,10 +61,14 @@ def label(
             if tasks[i] is None:
                 scopes = _compat.scope_names(e.source_info.name_stack)
                 tasks[i] = rules.match(scopes, limit)
+                if tasks[i] is not None and tasks[i].layers is not None:
+                    tasks[i] = None  # by-layer rules place split scans, not other code
                 if tasks[i] is None and e.params:
                     # a loop or call whose body the rules place on one stage (flatten
                     # already refused bodies needing several)
-                    inside = rules.stages_inside(e.params, scopes, limit)
+                    inside = {
+                        r for r in rules.stages_inside(e.params, scopes, limit) if r.layers is None
+                    }
                     if len(inside) == 1:
                         tasks[i] = next(iter(inside))
         rules.warn_unmatched()

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from multimesh import _compat
-from multimesh.tasks import MARKER, TaskRef
+from multimesh.tasks import MARKER, ByLayer, TaskRef
 
 _compat.register_exclusion(__file__)
 
@@ -34,7 +34,9 @@ class Rules:
                 rx = re.compile(pat)
             except re.error as e:
                 raise ValueError(f"task_rules: {pat!r} is not a valid regex ({e}).") from None
-            if not callable(target) and (
+            if isinstance(target, ByLayer):
+                pass
+            elif not callable(target) and (
                 isinstance(target, bool) or not isinstance(target, (int, np.integer))
             ):
                 raise TypeError(
@@ -59,6 +61,10 @@ class Rules:
                 m = rx.search(scope)
                 if m is None:
                     continue
+                if isinstance(target, ByLayer):
+                    self.used[pat].add(scope)
+                    ref = TaskRef(scope, None, None, target)
+                    break
                 stage = target(m) if callable(target) else target
                 if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)):
                     raise TypeError(

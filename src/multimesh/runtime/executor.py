@@ -18,6 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh import _compat
+from multimesh.compiler import layers
 from multimesh.compiler import shardings as shard_pass
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.plan import Plan
@@ -51,6 +52,8 @@ class Executable:
         out_shardings: Sequence[Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
         exe_cache: dict[Any, Any] | None = None,
+        pieces: dict[int, Any] | None = None,
+        assembled: dict[int, list[int]] | None = None,
     ) -> None:
         self.plan = plan
         self._stage_axis = stage_axis or "stage"
@@ -111,6 +114,7 @@ class Executable:
                         slot_var,
                         donated,
                         donatable,
+                        pieces or {},
                     )
                 )
                 borrowed.update(sid for _ip, sid in st.items)
@@ -202,6 +206,22 @@ class Executable:
                 out_pass.output_fn(ids, req, slot_sh, slot_stage, borrowed, shape, self._stage_axis)
             )
         self._literal_pos = [k for k, _v, _a in literals]
+        # outputs returned as one array sharded over the stage axis, from per-stage pieces
+        self._assembled: list[tuple[int, list[int], Any, tuple[int, ...], list[Any]]] = []
+        for k, idxs in (assembled or {}).items():
+            ids = [plan.outputs[i][1][0] for i in idxs]
+            shs = [slot_sh[i] for i in ids]
+            same = all(isinstance(x, NamedSharding) and x.spec == shs[0].spec for x in shs)
+            fix = [
+                None if same else NamedSharding(targets[slot_stage[i]].mesh, PartitionSpec())
+                for i in ids
+            ]
+            piece_sh = shs[0] if same else fix[0]
+            gsh = layers.stage_sharding(global_mesh, piece_sh, self._stage_axis)
+            piece_shape = tuple(slot_var[ids[0]].aval.shape)
+            shape = (piece_shape[0] * len(ids), *piece_shape[1:])
+            self._assembled.append((k, list(idxs), gsh, shape, fix))
+        self._num_outputs = len(plan.outputs) - sum(len(i) - 1 for i in (assembled or {}).values())
         self._literals = out_pass.literal_fn(
             literals, NamedSharding(targets[0].mesh, PartitionSpec()), requests
         )
@@ -221,40 +241,53 @@ class Executable:
         slot_var,
         donated,
         donatable,
+        pieces,
     ):
         """Per argument: where its value must be (one slot per stage that needs it), and
         its *home* sharding: an argument that already has it is used in place (or sliced
         per submesh, sharing buffers); anything else is put with one ``device_put``."""
-        per_arg: dict[int, list[tuple[int, Any]]] = {}
+        # per argument: (slot, sharding, rows cut from it or None, shape)
+        per_arg: dict[int, list[tuple[int, Any, Any, tuple[int, ...]]]] = {}
+        in_place: set[int] = set()  # arguments used where they are (as is / sliced)
         for ip, sid in st.items:
             mesh = targets[ip.stage].mesh
+            shape = tuple(slot_var[sid].aval.shape)
             if ip.mode == "const":
                 val = prog.consts[-1 - ip.arg]
                 sh = NamedSharding(mesh, PartitionSpec())
                 template[sid] = jax.device_put(val, sh)
                 slot_sh[sid] = template[sid].sharding
                 continue
+            a, cut = ip.arg, None
             if ip.mode == "as_is":
-                sh = sample_args[ip.arg].sharding
+                sh = sample_args[a].sharding
+                in_place.add(a)
             elif ip.mode == "extract":
-                spec = dict(infos[ip.arg].extract_specs)[ip.stage]
+                spec = dict(infos[a].extract_specs)[ip.stage]
                 sh = NamedSharding(mesh, spec)
+                in_place.add(a)
+            elif ip.mode == "piece":  # one stage's rows of a stage-sharded argument
+                piece = pieces[a]
+                a, cut = piece.arg, (piece.start, piece.stop)
+                sh = NamedSharding(
+                    mesh, layers.piece_spec(sample_args[a].sharding, self._stage_axis)
+                )
+                in_place.add(a)
             else:
-                chooser = put_shardings[ip.arg]
+                chooser = put_shardings[a]
                 sh = (
                     chooser(ip.stage)
                     if chooser is not None
                     else NamedSharding(mesh, PartitionSpec())
                 )
             slot_sh[sid] = sh
-            per_arg.setdefault(ip.arg, []).append((sid, sh))
+            per_arg.setdefault(a, []).append((sid, sh, cut, shape))
         leaves = []
         #: per argument with input slots: the sharding it is used in place with (or None)
         self.homes: dict[int, Any] = {}
         for a, tgts in per_arg.items():
-            mode = infos[a].mode
-            shs = [sh for _sid, sh in tgts]
-            if mode in ("as_is", "extract"):
+            shs = [sh for _sid, sh, _c, _s in tgts]
+            if a in in_place:
                 home = sample_args[a].sharding
             elif len(tgts) == 1:
                 home = shs[0]
@@ -262,15 +295,15 @@ class Executable:
                 home = tr.union_sharding(shs, self._stage_axis)
             self.homes[a] = home
             direct: list[int] = []
-            extracts: list[tuple[int, Any, tuple[int, ...]]] = []
+            extracts: list[tuple[int, Any, tuple[int, ...], tuple[int, ...]]] = []
             if home is not None:
                 home_ids = _compat.addressable_device_ids(home)
-                for sid, sh in tgts:
-                    if sh == home:
+                for sid, sh, cut, shape in tgts:
+                    if sh == home and cut is None:
                         direct.append(sid)
                     else:
                         pos = tuple(home_ids.index(d) for d in _compat.addressable_device_ids(sh))
-                        extracts.append((sid, sh, pos))
+                        extracts.append((sid, sh, pos, shape))
             if a in donated and len(tgts) == 1 and not extracts:
                 donatable.add(tgts[0][0])
             aval = slot_var[tgts[0][0]].aval
@@ -290,14 +323,14 @@ class Executable:
                     for sid in direct:
                         env[sid] = x
                     if extracts:
-                        pieces = pieces_of(x)
-                        for sid, sh, pos in extracts:
-                            env[sid] = make(aval.shape, sh, [pieces[p] for p in pos])
+                        parts = pieces_of(x)
+                        for sid, sh, pos, shape in extracts:
+                            env[sid] = make(shape, sh, [parts[p] for p in pos])
                     continue
                 v = _as_array(x, aval)
-                for sid, sh in tgts:
+                for sid, sh, cut, _shape in tgts:
                     ids.append(sid)
-                    vals.append(v)
+                    vals.append(v if cut is None else v[cut[0] : cut[1]])
                     shs.append(sh)
             if ids:
                 for sid, v in zip(ids, put(vals, shs)):
@@ -353,7 +386,13 @@ class Executable:
         if self._literal_pos:
             for k, v in zip(self._literal_pos, self._literals()):
                 outs[k] = v
-        return outs
+        for k, idxs, gsh, shape, fix in self._assembled:
+            parts = []
+            for i, f in zip(idxs, fix):
+                x = outs[i] if f is None else jax.device_put(outs[i], f)
+                parts.extend(_compat.single_device_arrays(x))
+            outs[k] = jax.make_array_from_single_device_arrays(shape, gsh, parts)
+        return outs[: self._num_outputs]
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         env = list(self._template)
