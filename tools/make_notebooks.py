@@ -35,6 +35,8 @@ def nb(cells):
             out.append(new_markdown_cell(c[4:]))
         else:
             out.append(new_code_cell(c))
+    for i, cell in enumerate(out):  # stable ids: regenerating changes only what changed
+        cell["id"] = f"cell-{i:02d}"
     book = new_notebook(cells=out)
     book.metadata["kernelspec"] = {
         "name": "python3",
@@ -239,6 +241,28 @@ assert init.lower(jax.random.key(1), x).plan.transfers == []
 for name in ["embed", "layers_0", "layers_2", "logits"]:
     leaf = jax.tree.leaves(params["params"][name])[0]
     print(name, sorted(d.id for d in leaf.sharding.device_set))""",
+        "#md\nA model that declares how its kernels are sharded (here: split over `data`, "
+        "FSDP-style) gets them created that way, in place, on each stage's submesh, with "
+        "`mm.flax.init`:",
+        """class ShardedBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        k = nn.with_partitioning(nn.initializers.lecun_normal(), ("data", None))
+        return x + jnp.tanh(nn.Dense(16, kernel_init=k)(x))
+
+class ShardedModel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16, name="embed")(x)
+        for i in range(4):
+            x = ShardedBlock(name=f"layers_{i}")(x)
+        return nn.Dense(4, name="logits")(x)
+
+sparams = mm.flax.init(ShardedModel().init, mesh=mmesh, task_rules=rules)(jax.random.key(1), x)
+for i in range(4):
+    k = sparams["params"][f"layers_{i}"]["Dense_0"]["kernel"].unbox()
+    print(f"layers_{i} kernel: devices {sorted(d.id for d in k.sharding.device_set)}, spec {k.sharding.spec}")
+    assert k.sharding.spec[0] == "data" and not k.sharding.is_fully_replicated""",
         """def loss(p, x):
     return (model.apply(p, x) ** 2).mean()
 
