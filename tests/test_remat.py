@@ -93,11 +93,10 @@ def test_remat_fsdp_gpt_interleaved_on_four_submeshes():
     tokens = gpt.synthetic_batch(cfg, 8)
     mstep = mm.jit(step, mesh=mmesh)
     ms, rs = state, jax.device_get(state)
-    for _ in range(2):
-        ms, ml = mstep(ms, tokens)
-        with mmesh:
-            rs, rl = jax.jit(step)(rs, tokens)
-        assert_close(ml, rl, rtol=2e-5, atol=1e-6)
+    ms, ml = mstep(ms, tokens)
+    with mmesh:
+        rs, rl = jax.jit(step)(rs, tokens)
+    assert_close(ml, rl, rtol=2e-5, atol=1e-6)
     assert_close(ms, rs, rtol=1e-4, atol=1e-5)
     new_kernel = ms[0]["blocks"][5]["up"]["kernel"].get_value()
     assert new_kernel.sharding.is_equivalent_to(fsdp, 2)
