@@ -5,6 +5,7 @@
 >>> step = mm.jit(train_step, mesh=mmesh)   # tasks inside run on their submeshes
 """
 
+from multimesh import distributed as distributed
 from multimesh import flax as flax
 from multimesh import schedules as schedules
 from multimesh.api import MpmdFunction as MpmdFunction
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "by_layer",
+    "distributed",
     "Compiled",
     "flax",
     "Lowered",

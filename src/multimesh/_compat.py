@@ -31,6 +31,13 @@ DropVar = jcore.DropVar
 jaxpr_as_fun = jcore.jaxpr_as_fun
 
 
+def stable_hash(text: str) -> int:
+    """A hash of ``text`` that is the same in every process (``hash`` is salted)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
 def register_exclusion(path: str) -> None:
     """Hide MultiMesh frames from user tracebacks (like JAX and Equinox do)."""
     _traceback_util.register_exclusion(path)

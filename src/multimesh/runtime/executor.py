@@ -22,6 +22,7 @@ from multimesh.compiler import layers
 from multimesh.compiler import shardings as shard_pass
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.plan import Plan
+from multimesh.runtime import crossproc
 from multimesh.runtime import outputs as out_pass
 from multimesh.runtime import transfer as tr
 from multimesh.runtime.inputs import InputInfo
@@ -58,6 +59,12 @@ class Executable:
         self.plan = plan
         self._stage_axis = stage_axis or "stage"
         targets = labels.targets
+        #: multi-process: which devices are this process's (None: a single process)
+        self._loc = loc = crossproc.locality()
+        if loc is not None:
+            crossproc.check_layout(loc, targets)
+        self._calls = 0
+        self._uid = _compat.stable_hash(plan.as_text())
         slot_sh: dict[int, jax.sharding.Sharding] = {}
         template: list[Any] = [None] * plan.num_slots
         steps: list[tuple[Any, ...]] = []
@@ -99,7 +106,7 @@ class Executable:
         #: slots whose buffers are donated to a later fragment (invalid after it runs)
         self.donated_slots: set[int] = set()
 
-        for st in plan.steps:
+        for step_no, st in enumerate(plan.steps):
             if st.kind == "inputs":
                 steps.append(
                     self._input_step(
@@ -184,10 +191,18 @@ class Executable:
                 for i, sh in zip(out_ids, compiled.output_shardings):
                     slot_sh[i] = sh
                 owned.update(out_ids)
+                if loc is not None and not loc.has(mesh.devices.flat):
+                    continue  # another process runs it (compiled here for its shardings)
                 steps.append((_RUN, compiled, tuple(in_ids), tuple(out_ids), tuple(st.free)))
                 continue
             elif st.kind == "transfer":
-                steps.append(self._transfer_step(st, targets, slot_sh))
+                if loc is None:
+                    steps.append(self._transfer_step(st, targets, slot_sh))
+                else:
+                    run = crossproc.transfer_step(
+                        st.items, targets, slot_sh, loc, self._uid_base, step_no
+                    )
+                    steps.append((_CALL, run, (), (), ()))
                 owned.update(dst for _src, dst, *_ in st.items)
             if st.free and steps[-1][0] == _CALL:
                 steps[-1] = (*steps[-1][:4], tuple(st.free))
@@ -203,7 +218,16 @@ class Executable:
             ids = out[1]
             shape = tuple(slot_var[ids[0]].aval.shape)
             self._outs.append(
-                out_pass.output_fn(ids, req, slot_sh, slot_stage, borrowed, shape, self._stage_axis)
+                out_pass.output_fn(
+                    ids,
+                    req,
+                    slot_sh,
+                    slot_stage,
+                    borrowed,
+                    shape,
+                    self._stage_axis,
+                    slot_var[ids[0]].aval.dtype,
+                )
             )
         self._literal_pos = [k for k, _v, _a in literals]
         # outputs returned as one array sharded over the stage axis, from per-stage pieces
@@ -223,8 +247,12 @@ class Executable:
             self._assembled.append((k, list(idxs), gsh, shape, fix))
         self._num_outputs = len(plan.outputs) - sum(len(i) - 1 for i in (assembled or {}).values())
         self._literals = out_pass.literal_fn(
-            literals, NamedSharding(targets[0].mesh, PartitionSpec()), requests
+            literals, NamedSharding(targets[0].mesh, PartitionSpec()), requests, loc
         )
+
+    def _uid_base(self) -> tuple[int, int]:
+        """The same on every process: (program, call number)."""
+        return (self._uid, self._calls)
 
     # -- steps ------------------------------------------------------------------------
 
@@ -255,10 +283,12 @@ class Executable:
             if ip.mode == "const":
                 val = prog.consts[-1 - ip.arg]
                 sh = NamedSharding(mesh, PartitionSpec())
-                template[sid] = jax.device_put(val, sh)
-                slot_sh[sid] = template[sid].sharding
+                slot_sh[sid] = sh
+                if self._loc is None or self._loc.has(mesh.devices.flat):
+                    template[sid] = jax.device_put(val, sh)
                 continue
             a, cut = ip.arg, None
+            local = self._loc is None or self._loc.has(mesh.devices.flat)
             if ip.mode == "as_is":
                 sh = sample_args[a].sharding
                 in_place.add(a)
@@ -281,6 +311,8 @@ class Executable:
                     else NamedSharding(mesh, PartitionSpec())
                 )
             slot_sh[sid] = sh
+            if not local:
+                continue  # another process feeds that submesh
             per_arg.setdefault(a, []).append((sid, sh, cut, shape))
         leaves = []
         #: per argument with input slots: the sharding it is used in place with (or None)
@@ -370,6 +402,14 @@ class Executable:
         return len({id(c) for c in self.compiled})
 
     def record(self, args: Sequence[Any]) -> tuple[list[Any], Any]:
+        if self._loc is not None:
+            raise NotImplementedError(
+                "record() measures a single-process run; in a multi-process run, time the "
+                "call instead (or profile each process with jax.profiler)."
+            )
+        return self._record(args)
+
+    def _record(self, args: Sequence[Any]) -> tuple[list[Any], Any]:
         """Run once, recording per-fragment times and live buffers per stage.
 
         A waiter thread per submesh blocks on each fragment's outputs in dispatch order,
@@ -391,10 +431,18 @@ class Executable:
             for i, f in zip(idxs, fix):
                 x = outs[i] if f is None else jax.device_put(outs[i], f)
                 parts.extend(_compat.single_device_arrays(x))
-            outs[k] = jax.make_array_from_single_device_arrays(shape, gsh, parts)
-        return outs[: self._num_outputs]
+            outs[k] = jax.make_array_from_single_device_arrays(
+                shape, gsh, parts, dtype=outs[idxs[0]].dtype
+            )
+        outs = outs[: self._num_outputs]
+        if self._loc is not None:  # other processes may fetch these (mm.distributed.to_host)
+            from multimesh.distributed import _host
+
+            _host.register(outs, self._uid, self._calls)
+        return outs
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
+        self._calls += 1
         env = list(self._template)
         for code, fn, ins, outs, free in self._steps:
             if code == _RUN:

@@ -94,8 +94,11 @@ def output_fn(
     borrowed: set[int],
     shape: tuple[int, ...],
     stage_axis: str,
+    dtype: Any = None,
 ) -> Callable[[list[Any]], jax.Array]:
-    """A function env -> the output array for the value held in slots ``ids``."""
+    """A function env -> the output array for the value held in slots ``ids`` (in a
+    multi-process run, slots on other processes' submeshes are empty: their part of the
+    output is a global array with no local shard)."""
     reshard = [(i, req.per_stage.get(slot_stage[i])) for i in ids]
     reshard = [(i, d if d is not None and d != slot_sh[i] else None) for i, d in reshard]
     fresh = [i not in borrowed for i in ids]
@@ -103,6 +106,10 @@ def output_fn(
     def value(env: list[Any], k: int) -> jax.Array:
         i, dst = reshard[k]
         x = env[i]
+        if x is None:  # lives on another process
+            return _remote(shape, dst if dst is not None else slot_sh[i], dtype)
+        if not x.is_fully_addressable:
+            return x if dst is None else jax.device_put(x, dst)
         if dst is not None:
             y = jax.device_put(x, dst)
             return y if y is not x else _compat.fresh_copy([x])[0]
@@ -146,8 +153,15 @@ def output_fn(
     return lambda env: jax.device_put(single(env), final_sh)
 
 
+def _remote(shape: tuple[int, ...], sharding: Any, dtype: Any) -> jax.Array:
+    return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
+
+
 def literal_fn(
-    literals: list[tuple[int, Any, Any]], default: NamedSharding, requests: Sequence[Request]
+    literals: list[tuple[int, Any, Any]],
+    default: NamedSharding,
+    requests: Sequence[Request],
+    loc: Any = None,
 ) -> Callable[[], list[jax.Array]]:
     """One small executable that makes every literal output fresh on each call, with its
     dtype and weak type, where ``out_shardings`` (or the first submesh) puts it."""
@@ -168,6 +182,9 @@ def literal_fn(
     def make() -> tuple[Any, ...]:
         return tuple(vals)
 
+    if loc is not None and not any(loc.has(sh.device_set) for sh in shs):
+        avals = [a for _k, _v, a in literals]
+        return lambda: [_remote(tuple(a.shape), sh, a.dtype) for a, sh in zip(avals, shs)]
     with _compat.no_mesh_context():
         compiled = jax.jit(make, out_shardings=tuple(shs)).lower().compile()
     return lambda: list(compiled())

@@ -1,0 +1,194 @@
+"""``python -m multimesh.launch``: run a script as N local JAX processes.
+
+    python -m multimesh.launch --nproc 2 --devices-per-process 4 train.py --flags
+
+Starts N processes of ``script.py`` (each one calls ``mm.distributed.initialize()``,
+which joins the job from the environment set here), prefixes every output line with
+its rank, forwards SIGINT/SIGTERM, and if any process fails or is killed, stops the
+others and exits non-zero within seconds, naming the rank. No process outlives it
+(children die with the launcher, even if it is killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from multimesh.distributed._init import (
+    ENV_COORDINATOR,
+    ENV_DEVICES_PER_PROCESS,
+    ENV_HEARTBEAT,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+
+GRACE_SECONDS = 5.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Children get SIGKILL when the launcher dies (Linux), and their own process group."""
+    os.setsid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m multimesh.launch",
+        description="Run a script as several local JAX processes (jax.distributed), with "
+        "rank-prefixed output; one failure stops all.",
+    )
+    p.add_argument("--nproc", type=int, required=True, help="number of processes")
+    p.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=None,
+        help="virtual CPU devices per process (sets jax_num_cpu_devices in each)",
+    )
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        help="HOST:PORT of the coordinator (default: 127.0.0.1 and a free port)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        default=None,
+        help="seconds JAX waits for a silent peer before failing (JAX default: 100)",
+    )
+    p.add_argument("--python", default=sys.executable, help="interpreter for the processes")
+    p.add_argument("script", help="the Python script to run (or -m module)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    ns = p.parse_args(argv)
+    if ns.nproc < 1:
+        p.error("--nproc must be at least 1")
+    if ns.devices_per_process is not None and ns.devices_per_process < 1:
+        p.error("--devices-per-process must be at least 1")
+    return ns
+
+
+def _pump(stream, rank: int, out) -> None:
+    prefix = f"[rank {rank}] "
+    for line in iter(stream.readline, ""):
+        out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+        out.flush()
+    stream.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = parse(sys.argv[1:] if argv is None else argv)
+    coord = ns.coordinator or f"127.0.0.1:{free_port()}"
+    cmd = [ns.python, "-u"]
+    if ns.script == "-m":
+        cmd += ns.args[:1] and ["-m", ns.args[0]]
+        args = ns.args[1:]
+    else:
+        cmd.append(ns.script)
+        args = ns.args
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    for rank in range(ns.nproc):
+        env = dict(os.environ)
+        env[ENV_COORDINATOR] = coord
+        env[ENV_NUM_PROCESSES] = str(ns.nproc)
+        env[ENV_PROCESS_ID] = str(rank)
+        if ns.devices_per_process is not None:
+            env[ENV_DEVICES_PER_PROCESS] = str(ns.devices_per_process)
+            env.setdefault("JAX_PLATFORMS", "cpu")
+        if ns.heartbeat_timeout is not None:
+            env[ENV_HEARTBEAT] = str(ns.heartbeat_timeout)
+        proc = subprocess.Popen(
+            [*cmd, *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            preexec_fn=_die_with_parent,
+        )
+        procs.append(proc)
+        for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            t = threading.Thread(target=_pump, args=(stream, rank, out), daemon=True)
+            t.start()
+            pumps.append(t)
+
+    stopping = {"signal": None}
+
+    def forward(signum, _frame) -> None:
+        stopping["signal"] = signum
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    failed: tuple[int, int] | None = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad and failed is None:
+                failed = bad[0]
+                break
+            if all(c is not None for c in codes):
+                break
+            time.sleep(0.05)
+    finally:
+        if failed is not None or stopping["signal"] is not None:
+            _stop_all(procs)
+        for s, h in old.items():
+            signal.signal(s, h)
+        for t in pumps:
+            t.join(timeout=2)
+    if failed is not None:
+        rank, code = failed
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        sys.stderr.write(
+            f"multimesh.launch: rank {rank} {how}; stopped the other {ns.nproc - 1} process(es).\n"
+        )
+        return code if code > 0 else 128 - code
+    if stopping["signal"] is not None:
+        return 128 + int(stopping["signal"])
+    return 0
+
+
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + GRACE_SECONDS
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+    for p in procs:
+        try:
+            p.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Running a plan on several processes: which steps are local, and transfers between
+submeshes that live in different processes.
+
+Every process traces, plans and compiles the same program (so every process knows
+every fragment's shardings), then runs only what touches its own devices: fragments
+whose submesh has a local device, the inputs those need, and its side of each
+transfer. A transfer between submeshes is a set of single-device copies (shard ``i`` of
+the source to shard ``i`` of the destination); copies within a process are local,
+copies across processes go through the transport (:mod:`multimesh.runtime.transport`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from multimesh import _compat
+from multimesh.runtime import transfer as tr
+from multimesh.runtime import transport as tp
+
+_compat.register_exclusion(__file__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Locality:
+    """Which process owns which device, seen from this process."""
+
+    me: int
+    owner: dict[int, int]  # device id -> process index
+
+    def procs(self, devices: Any) -> set[int]:
+        return {self.owner[int(d.id)] for d in devices}
+
+    def has(self, devices: Any) -> bool:
+        """Whether any of ``devices`` is this process's."""
+        return any(self.owner[int(d.id)] == self.me for d in devices)
+
+    def only(self, devices: Any) -> bool:
+        """Whether all of ``devices`` are this process's."""
+        return all(self.owner[int(d.id)] == self.me for d in devices)
+
+
+def locality() -> Locality | None:
+    """This process's view, or ``None`` in a single-process run."""
+    if jax.process_count() == 1:
+        return None
+    return Locality(jax.process_index(), {int(d.id): d.process_index for d in jax.devices()})
+
+
+def check_layout(loc: Locality, targets: Sequence[Any]) -> None:
+    """Supported: a process holds whole submeshes, or a submesh is split evenly over
+    processes that hold no other submesh's devices. Anything else is a clear error."""
+    for t in targets:
+        devs = list(t.mesh.devices.flat)
+        procs = loc.procs(devs)
+        if len(procs) <= 1:
+            continue
+        counts = {p: sum(1 for d in devs if loc.owner[int(d.id)] == p) for p in procs}
+        others = [
+            (u.name, p)
+            for u in targets
+            if u is not t
+            for p in loc.procs(u.mesh.devices.flat)
+            if p in procs
+        ]
+        if len(set(counts.values())) > 1 or others:
+            why = (
+                f"uneven device counts per process {counts}"
+                if len(set(counts.values())) > 1
+                else f"process {others[0][1]} also holds devices of submesh {others[0][0]!r}"
+            )
+            raise ValueError(
+                f"unsupported multi-process layout: submesh {t.name!r} (devices "
+                f"{[int(d.id) for d in devs]}) spans processes {sorted(procs)} with {why}. "
+                "Give each process whole submeshes (e.g. --devices-per-process a multiple "
+                "of the submesh size), or split a submesh evenly over processes that hold "
+                "nothing else."
+            )
+
+
+def placeholder(shape: tuple[int, ...], sharding: Any, dtype: Any) -> jax.Array:
+    """A global array with no shard on this process (it lives on other processes)."""
+    return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
+
+
+def transfer_step(
+    items: Sequence[tuple[int, int, Any, int, int]],
+    targets: Sequence[Any],
+    slot_sh: dict[int, Any],
+    loc: Locality,
+    uid_base: Callable[[], Any],
+    step_no: int,
+) -> Callable[[list[Any], Sequence[Any]], None]:
+    """The run function of one transfer step (items: src slot, dst slot, aval, src
+    stage, dst stage) on this process; fills ``slot_sh`` for the destinations."""
+    local_fast: list[tuple[int, int, Any]] = []
+    local_slow: list[tuple[int, int, Any]] = []
+    cross: list[dict[str, Any]] = []
+    pairs: list[tp.Pair] = []
+    for src, dst, aval, s, d in items:
+        shape = tuple(aval.shape)
+        ssh = slot_sh[src]
+        dmesh = targets[d].mesh
+        src_devs, dst_devs = list(targets[s].mesh.devices.flat), list(dmesh.devices.flat)
+        dsh = tr.dst_sharding(ssh, dmesh, shape)
+        if loc.only(src_devs) and loc.only(dst_devs):
+            slot_sh[dst] = dsh
+            same = tr.same_layout(ssh, dsh, shape) and not _is_key(aval)
+            (local_fast if same else local_slow).append((src, dst, dsh))
+            continue
+        reshard = None
+        if not tr.same_layout(ssh, dsh, shape) or _is_key(aval):
+            # different layouts: replicate on both sides, then copy device to device
+            rsh = NamedSharding(targets[s].mesh, PartitionSpec())
+            dsh = NamedSharding(dmesh, PartitionSpec())
+            if not _is_key(aval):
+                with _compat.no_mesh_context():
+                    reshard = (
+                        jax.jit(lambda v: v, out_shardings=rsh)
+                        .lower(jax.ShapeDtypeStruct(shape, aval.dtype, sharding=ssh))
+                        .compile()
+                    )
+            ssh = rsh
+        slot_sh[dst] = dsh
+        if not (loc.has(src_devs) or loc.has(dst_devs)):
+            continue  # neither end lives here
+        if _is_key(aval):
+            raise ValueError(
+                "a PRNG key moves between submeshes in different processes; pass keys as "
+                "uint32 key data (jax.random.key_data) or create them where they are used."
+            )
+        smap = ssh.devices_indices_map(shape)
+        first = len(pairs)
+        for dd in dst_devs:
+            idx = dsh.devices_indices_map(shape)[dd]
+            cands = [sd for sd in src_devs if smap[sd] == idx]
+            same_proc = [sd for sd in cands if loc.owner[int(sd.id)] == loc.owner[int(dd.id)]]
+            sd = same_proc[0] if same_proc else cands[dst_devs.index(dd) % len(cands)]
+            piece_shape = tuple(len(range(*sl.indices(n))) for sl, n in zip(idx, shape))
+            pairs.append(
+                tp.Pair(
+                    sd, dd, loc.owner[int(sd.id)], loc.owner[int(dd.id)], piece_shape, aval.dtype
+                )
+            )
+        cross.append(
+            {
+                "src": src,
+                "dst": dst,
+                "pairs": range(first, len(pairs)),
+                "reshard": reshard,
+                "src_local": loc.has(src_devs),
+                "dst_local": loc.has(dst_devs),
+                "dsh": dsh,
+                "shape": shape,
+                "dtype": aval.dtype,
+            }
+        )
+    copy = _compat.same_layout_copy
+    transport = tp.get_transport() if cross else None
+    me = loc.me
+
+    def run(env: list[Any], args: Sequence[Any]) -> None:
+        if local_fast:
+            outs = copy([env[s] for s, _d, _sh in local_fast], [sh for *_x, sh in local_fast])
+            for (_s, d, _sh), v in zip(local_fast, outs):
+                env[d] = v
+        if local_slow:
+            outs = jax.device_put(
+                [env[s] for s, _d, _sh in local_slow], [sh for *_x, sh in local_slow]
+            )
+            for (_s, d, _sh), v in zip(local_slow, outs):
+                env[d] = v
+        if not cross:
+            return
+        outgoing: dict[int, jax.Array] = {}
+        local: dict[int, jax.Array] = {}
+        for c in cross:
+            if not c["src_local"]:
+                continue
+            x = env[c["src"]]
+            if c["reshard"] is not None:
+                x = c["reshard"](x)
+            by_dev = {int(next(iter(a.devices())).id): a for a in _compat.single_device_arrays(x)}
+            for i in c["pairs"]:
+                p = pairs[i]
+                if p.src_proc != me:
+                    continue
+                piece = by_dev[int(p.src.id)]
+                if p.dst_proc == me:
+                    local[i] = jax.device_put(piece, p.dst)
+                else:
+                    outgoing[i] = piece
+        got = transport.exchange((uid_base(), step_no), me, pairs, outgoing)
+        got.update(local)
+        for c in cross:
+            if not c["dst_local"]:
+                env[c["dst"]] = placeholder(c["shape"], c["dsh"], c["dtype"])
+                continue
+            mine = [i for i in c["pairs"] if pairs[i].dst_proc == me]
+            order = {d: k for k, d in enumerate(_compat.addressable_device_ids(c["dsh"]))}
+            mine.sort(key=lambda i: order[int(pairs[i].dst.id)])
+            env[c["dst"]] = jax.make_array_from_single_device_arrays(
+                c["shape"], c["dsh"], [got[i] for i in mine]
+            )
+
+    return run
+
+
+def _is_key(aval: Any) -> bool:
+    return jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended)

@@ -1,0 +1,207 @@
+"""Transports: how one process's device buffers reach another process's devices.
+
+One small interface, two implementations on public JAX APIs:
+
+- ``server`` (default): ``jax.experimental.transfer``. Each process runs a transfer
+  server; the sender offers arrays under an id, the receiver pulls them by that id. No
+  shared call order is needed, and a dead peer surfaces as an exception.
+- ``ppermute``: a jitted ``shard_map`` + ``lax.ppermute`` over a 2-device mesh of the
+  source and destination device (gloo on CPU, NCCL on GPU). Only the two endpoints call
+  it, in the plan's order.
+
+Ids are derived from the plan (program, call number, step), so every process computes
+the same ids without talking. Select with ``MULTIMESH_TRANSPORT=server|ppermute`` or
+:func:`set_transport`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import os
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from multimesh import _compat
+
+_compat.register_exclusion(__file__)
+
+_LOCK = threading.Lock()
+_TRANSPORT: dict[str, Any] = {}
+
+
+def transfer_id(*parts: Any) -> int:
+    """A 62-bit id every process derives the same way from the same parts."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """One single-device buffer moving from ``src`` (on process ``src_proc``) to ``dst``."""
+
+    src: Any
+    dst: Any
+    src_proc: int
+    dst_proc: int
+    shape: tuple[int, ...]
+    dtype: Any
+
+
+class Transport(abc.ABC):
+    """Moves single-device buffers between processes."""
+
+    name: str = "transport"
+
+    @abc.abstractmethod
+    def exchange(
+        self, uid: int, me: int, pairs: list[Pair], outgoing: dict[int, jax.Array]
+    ) -> dict[int, jax.Array]:
+        """Every process involved in ``pairs`` (one transfer step, in the same order on
+        all processes) calls this; ``outgoing[i]`` is pair ``i``'s buffer where this
+        process is its source. Returns pair index -> buffer where it is the destination."""
+
+
+class ServerTransport(Transport):
+    """``jax.experimental.transfer``: offer by id, pull by id (one round trip per pair of
+    processes per step)."""
+
+    name = "server"
+
+    def __init__(self) -> None:
+        from jax.experimental import transfer
+
+        client = jax.local_devices()[0].client
+        self._server = transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
+        self._kv = _kv_client()
+        self._me = jax.process_index()
+        self._kv.key_value_set(f"multimesh/transfer/{self._me}", self._server.address())
+        self._conns: dict[int, Any] = {}
+
+    def _conn(self, peer: int) -> Any:
+        conn = self._conns.get(peer)
+        if conn is None:
+            addr = self._kv.blocking_key_value_get(f"multimesh/transfer/{peer}", 300_000)
+            conn = self._conns[peer] = self._server.connect(addr)
+        return conn
+
+    def offer(self, uid: int, arrays: list[jax.Array]) -> None:
+        self._server.await_pull(uid, arrays)
+
+    def pull(self, uid: int, peer: int, specs: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+        return list(self._conn(peer).pull(uid, specs))
+
+    def exchange(
+        self, uid: int, me: int, pairs: list[Pair], outgoing: dict[int, jax.Array]
+    ) -> dict[int, jax.Array]:
+        sends: dict[int, list[int]] = {}
+        recvs: dict[int, list[int]] = {}
+        for i, p in enumerate(pairs):
+            if p.src_proc == me and p.dst_proc != me:
+                sends.setdefault(p.dst_proc, []).append(i)
+            elif p.dst_proc == me and p.src_proc != me:
+                recvs.setdefault(p.src_proc, []).append(i)
+        for peer, idx in sorted(sends.items()):
+            self.offer(transfer_id(uid, me, peer), [outgoing[i] for i in idx])
+        got: dict[int, jax.Array] = {}
+        for peer, idx in sorted(recvs.items()):
+            specs = [
+                jax.ShapeDtypeStruct(pairs[i].shape, pairs[i].dtype, sharding=_single(pairs[i].dst))
+                for i in idx
+            ]
+            for i, arr in zip(idx, self.pull(transfer_id(uid, peer, me), peer, specs)):
+                got[i] = arr
+        return got
+
+
+class PpermuteTransport(Transport):
+    """A 2-device ``shard_map`` + ``ppermute`` per buffer, called by both endpoints in
+    the step's pair order."""
+
+    name = "ppermute"
+
+    def __init__(self) -> None:
+        self._fns: dict[Any, Any] = {}
+
+    def _fn(self, src: Any, dst: Any, shape: tuple[int, ...], dtype: Any) -> tuple[Any, Any]:
+        key = (src.id, dst.id, shape, str(dtype))
+        hit = self._fns.get(key)
+        if hit is None:
+            mesh = Mesh(np.array([src, dst]), ("mm_pair",))
+            sh = NamedSharding(mesh, PartitionSpec("mm_pair"))
+
+            def move(x: Any) -> Any:
+                return jax.lax.ppermute(x, "mm_pair", [(0, 1)])
+
+            mapped = jax.shard_map(
+                move,
+                mesh=mesh,
+                in_specs=PartitionSpec("mm_pair"),
+                out_specs=PartitionSpec("mm_pair"),
+            )
+            hit = self._fns[key] = (jax.jit(mapped, in_shardings=sh, out_shardings=sh), sh)
+        return hit
+
+    def exchange(
+        self, uid: int, me: int, pairs: list[Pair], outgoing: dict[int, jax.Array]
+    ) -> dict[int, jax.Array]:
+        got: dict[int, jax.Array] = {}
+        for i, p in enumerate(pairs):
+            if me not in (p.src_proc, p.dst_proc) or p.src_proc == p.dst_proc:
+                continue
+            fn, sh = self._fn(p.src, p.dst, p.shape, p.dtype)
+            if p.src_proc == me:
+                piece = outgoing[i]
+            else:
+                piece = jax.device_put(np.zeros(p.shape, p.dtype), p.dst)
+            res = fn(jax.make_array_from_single_device_arrays((2, *p.shape), sh, [piece[None]]))
+            if p.dst_proc == me:
+                got[i] = res.addressable_shards[0].data.reshape(p.shape)
+        return got
+
+
+def _single(device: Any) -> Any:
+    return jax.sharding.SingleDeviceSharding(device)
+
+
+def _kv_client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "multi-process MultiMesh needs jax.distributed: call mm.distributed.initialize() "
+            "(or jax.distributed.initialize()) first."
+        )
+    return client
+
+
+def set_transport(name: str) -> None:
+    """Choose the cross-process transport: ``"server"`` or ``"ppermute"``."""
+    if name not in ("server", "ppermute"):
+        raise ValueError(f"unknown transport {name!r}; use 'server' or 'ppermute'.")
+    with _LOCK:
+        _TRANSPORT["choice"] = name
+
+
+def get_transport() -> Transport:
+    """The transport for this process (created on first use)."""
+    with _LOCK:
+        name = _TRANSPORT.get("choice") or os.environ.get("MULTIMESH_TRANSPORT", "server")
+        t = _TRANSPORT.get(name)
+        if t is None:
+            if name == "server":
+                t = ServerTransport()
+            elif name == "ppermute":
+                t = PpermuteTransport()
+            else:
+                raise ValueError(
+                    f"MULTIMESH_TRANSPORT={name!r} is not a transport; use 'server' or 'ppermute'."
+                )
+            _TRANSPORT[name] = t
+        return t
