@@ -1,0 +1,139 @@
+"""Training programs for the multi-process tests (run by ``python -m multimesh.launch`` or
+as one plain process). Rank 0 writes every program's losses and final parameters to
+the ``.npz`` given as the first argument; every process checks its own plans.
+
+    python tests/mp_worker.py OUT.npz [mlp|gpt|all] [--forever]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import multimesh as mm
+
+multi = mm.distributed.initialize()
+
+import jax  # noqa: E402
+
+if not multi:
+    jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_platforms", "cpu")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1"]
+
+
+def mlp_program(schedule: str) -> tuple[list[float], list[np.ndarray]]:
+    mmesh = mm.make_mesh((4, 2), ("stage", "data"))
+    n = 8 if schedule == "interleaved-1f1b" else 4
+
+    def loss(ws, x, y):
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                h = h + jnp.tanh(h @ w)
+        return jnp.mean((h - y) ** 2)
+
+    grad = mm.microbatch(
+        jax.value_and_grad(loss), 4, argnums=(1, 2), schedule=schedule, reduce="mean"
+    )
+    opt = optax.adam(1e-2)
+
+    def step(state, x, y):
+        ws, o = state
+        val, g = grad(ws, x, y)
+        u, o = opt.update(g, o, ws)
+        return (optax.apply_updates(ws, u), o), val
+
+    rng = np.random.default_rng(0)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(n)]
+    x = rng.normal(size=(16, 8)).astype(np.float32)
+    y = np.sin(x)
+    f = mm.jit(step, mesh=mmesh)
+    state = (ws, opt.init(ws))
+    losses = []
+    for i in range(4):
+        state, val = f(state, x, y)
+        losses.append(float(mm.distributed.to_host(val)))
+        if i == 0:
+            check_fed_back_plan(f, state, x, y, bytes_per_param=8 * 8 * 4)
+    return losses, [np.asarray(a) for a in jax.tree.leaves(mm.distributed.to_host(state))]
+
+
+def gpt_program(schedule: str) -> tuple[list[float], list[np.ndarray]]:
+    from flax import nnx
+
+    from multimesh.examples import gpt
+
+    mmesh = mm.make_mesh((4, 2), ("stage", "data"))
+    cfg = gpt.Config(stages=4, layers=4, dp=True)
+    model = gpt.GPT(cfg, nnx.Rngs(0))
+    step, state = gpt.nnx_train_step(cfg, model, optax.sgd(0.3, momentum=0.9), 2, schedule)
+    state = jax.tree.map(np.asarray, state)  # the same host values on every process
+    tokens = np.asarray(gpt.synthetic_batch(cfg, 8))
+    f = mm.jit(step, mesh=mmesh)
+    losses = []
+    for _ in range(2):
+        state, val = f(state, tokens)
+        losses.append(float(mm.distributed.to_host(val)))
+    return losses, [np.asarray(a) for a in jax.tree.leaves(mm.distributed.to_host(state))]
+
+
+def check_fed_back_plan(f, state, x, y, bytes_per_param: int) -> None:
+    """Outputs fed back move no parameter bytes between submeshes (on every process)."""
+    plan = f.lower(state, x, y).plan
+    moved = [t for t in plan.transfers if t.nbytes >= bytes_per_param and t.shape == (8, 8)]
+    assert not moved, f"process {jax.process_index()}: parameters move: {moved}"
+
+
+def main() -> None:
+    out = sys.argv[1]
+    which = sys.argv[2] if len(sys.argv) > 2 else "all"
+    forever = "--forever" in sys.argv
+    print(f"pid {os.getpid()} process {jax.process_index()} of {jax.process_count()}", flush=True)
+    if forever:  # for the failure tests: train until killed
+        while True:
+            print("loss", mlp_program("1f1b")[0][-1], flush=True)
+    results: dict[str, np.ndarray] = {}
+    programs = []
+    if which in ("mlp", "all"):
+        programs += [(f"mlp-{s}", mlp_program, s) for s in SCHEDULES]
+    if which in ("gpt", "all"):
+        programs += [("gpt-1f1b", gpt_program, "1f1b")]
+    if which == "quick":
+        programs = [("mlp-1f1b", mlp_program, "1f1b")]
+    if which == "layout":  # a submesh split over processes that hold another one too
+        mmesh = mm.make_mesh((3, 2), ("stage", "data"))
+        mm.jit(lambda x: mm.task(lambda v: v * 2, name="t", stage=1)(x), mesh=mmesh)(
+            np.ones(4, np.float32)
+        )
+    for name, fn, sched in programs:
+        losses, leaves = fn(sched)
+        print(name, "losses", losses, flush=True)
+        results[f"{name}/losses"] = np.asarray(losses)
+        for k, leaf in enumerate(leaves):
+            results[f"{name}/leaf{k}"] = leaf
+    if jax.process_index() == 0:
+        np.savez(out, **results)
+    if which == "quick" and jax.process_index() == 0:
+        # one-sided: only this process asks, wherever the value lives
+        f = mm.jit(
+            lambda x: mm.task(lambda v: v.sum(), name="last", stage=3)(x),
+            mesh=mm.make_mesh((4, 2), ("stage", "data")),
+        )
+        print("one-sided", mm.distributed.to_host(f(np.arange(8.0, dtype=np.float32))))
+    elif which == "quick":
+        f = mm.jit(
+            lambda x: mm.task(lambda v: v.sum(), name="last", stage=3)(x),
+            mesh=mm.make_mesh((4, 2), ("stage", "data")),
+        )
+        f(np.arange(8.0, dtype=np.float32))
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

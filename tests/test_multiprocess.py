@@ -1,0 +1,166 @@
+"""Multi-process MPMD on jax.distributed: local processes on 127.0.0.1 via the launcher.
+
+The default tier runs a quick 2-process training run, the failure handling and the
+layout check; the ``multiprocess`` tier (``python -m pytest -m multiprocess``, run by
+.ci/run after the unit tests) runs every program and schedule on 2x4, 4x2 and 8x1
+processes x devices against the single-process 8-device run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+WORKER = str(Path(__file__).with_name("mp_worker.py"))
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "MULTIMESH_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def run(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=ROOT
+    )
+
+
+def launch(nproc: int, per: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "multimesh.launch",
+        "--nproc",
+        str(nproc),
+        "--devices-per-process",
+        str(per),
+        WORKER,
+        *args,
+    ]
+    return run(cmd, timeout)
+
+
+def results(path: Path) -> dict[str, np.ndarray]:
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    out = {}
+
+    def get(which: str) -> dict[str, np.ndarray]:
+        if which not in out:
+            path = tmp_path_factory.mktemp("single") / f"{which}.npz"
+            proc = run([sys.executable, WORKER, str(path), which])  # no launcher: 1 process
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+            assert "process 0 of 1" in proc.stdout
+            out[which] = results(path)
+        return out[which]
+
+    return get
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
+
+
+def test_two_processes_match_one(baseline, tmp_path):
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "quick", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "[rank 0] pid" in proc.stdout and "[rank 1] pid" in proc.stdout
+    assert_same(results(tmp_path / "r.npz"), baseline("quick"))
+    assert re.search(r"\[rank 0\] one-sided 28\.0", proc.stdout), proc.stdout[-2000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [(2, 4), (4, 2), (8, 1)], ids=["2x4", "4x2", "8x1"])
+def test_every_program_and_schedule(layout, baseline, tmp_path):
+    proc = launch(*layout, str(tmp_path / "r.npz"), "all", timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_same(results(tmp_path / "r.npz"), baseline("all"))
+
+
+def test_unsupported_layout_is_a_clear_error(tmp_path):
+    proc = launch(2, 3, str(tmp_path / "r.npz"), "layout", timeout=300)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "unsupported multi-process layout" in text and "spans processes [0, 1]" in text, text[
+        -3000:
+    ]
+    assert "multimesh.launch: rank" in proc.stderr
+
+
+def _alive(token: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if token in (d / "cmdline").read_bytes().decode(errors="ignore"):
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return [p for p in pids if p != os.getpid()]
+
+
+def test_killed_rank_stops_all_within_30s(tmp_path):
+    token = str(tmp_path / "forever.npz")
+    cmd = [
+        sys.executable,
+        "-m",
+        "multimesh.launch",
+        "--nproc",
+        "2",
+        "--devices-per-process",
+        "4",
+        WORKER,
+        token,
+        "mlp",
+        "--forever",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT
+    )
+    try:
+        pids: dict[int, int] = {}
+        deadline = time.monotonic() + 240
+        seen_loss = False
+        while time.monotonic() < deadline and not (len(pids) == 2 and seen_loss):
+            line = proc.stdout.readline()
+            m = re.match(r"\[rank (\d)\] pid (\d+)", line)
+            if m:
+                pids[int(m[1])] = int(m[2])
+            seen_loss = seen_loss or "loss" in line
+        assert len(pids) == 2 and seen_loss, "workers did not start training"
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        proc.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+        assert proc.returncode != 0
+        assert elapsed < 30, elapsed
+        time.sleep(0.5)
+        assert _alive(token) == [], "processes left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in _alive(token):
+            os.kill(p, signal.SIGKILL)
+
+
+def test_launcher_help_and_errors():
+    proc = run([sys.executable, "-m", "multimesh.launch", "--help"])
+    assert proc.returncode == 0 and "--devices-per-process" in proc.stdout
+    proc = run([sys.executable, "-m", "multimesh.launch", "--nproc", "0", "x.py"])
+    assert proc.returncode != 0 and "--nproc must be at least 1" in proc.stderr
