@@ -52,7 +52,7 @@ def mlp_program(schedule: str) -> tuple[list[float], list[np.ndarray]]:
     rng = np.random.default_rng(0)
     ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(n)]
     x = rng.normal(size=(16, 8)).astype(np.float32)
-    y = np.sin(x)
+    y = jnp.sin(x)  # process-local data (an uncommitted array on this process's device)
     f = mm.jit(step, mesh=mmesh)
     state = (ws, opt.init(ws))
     losses = []

@@ -334,6 +334,35 @@ for ax, (name, tl) in zip(axes, measured.items()):
 plt.tight_layout(); plt.show()
 measured["1f1b"].to_chrome_trace("trace-1f1b.json")  # open in ui.perfetto.dev""",
     ],
+    "07-multi-process.ipynb": [
+        "#md\n# Multi-process: one script, one process or many\n\n"
+        "`mm.distributed.initialize()` joins a `jax.distributed` job when there is one "
+        "(the launcher, SLURM, Open MPI) and does nothing otherwise, so the same script runs "
+        "as one process or as several. Here we run `multimesh.examples.train_multiprocess` both "
+        "ways "
+        "and compare the losses.",
+        """import os, re, subprocess, sys
+
+script = ["-m", "multimesh.examples.train_multiprocess"]
+env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "MULTIMESH_"))}
+env["JAX_PLATFORMS"] = "cpu"
+
+def losses(text):
+    return [float(v) for v in re.findall(r"step \\d+ loss ([0-9.]+)", text)]""",
+        "#md\nOne process with 8 virtual CPU devices:",
+        """one = subprocess.run([sys.executable, *script, "--steps", "3"], env=env,
+                     capture_output=True, text=True, timeout=300)
+print(one.stdout)""",
+        "#md\nTwo processes with 4 devices each, started by the launcher (each output line "
+        "carries its rank; stages 0-1 live in process 0, stages 2-3 in process 1):",
+        """two = subprocess.run([sys.executable, "-m", "multimesh.launch", "--nproc", "2",
+                      "--devices-per-process", "4", *script, "--steps", "3"],
+                     env=env, capture_output=True, text=True, timeout=300)
+print("\\n".join(l for l in two.stdout.splitlines() if "step" in l or "process 0:" in l))
+assert two.returncode == 0, two.stderr[-2000:]
+assert losses(one.stdout) == losses(two.stdout) and len(losses(one.stdout)) == 3
+print("same losses:", losses(two.stdout))""",
+    ],
 }
 
 

@@ -1,6 +1,7 @@
 """``python -m multimesh.launch``: run a script as N local JAX processes.
 
     python -m multimesh.launch --nproc 2 --devices-per-process 4 train.py --flags
+    python -m multimesh.launch --nproc 2 -m multimesh.examples.train_multiprocess
 
 Starts N processes of ``script.py`` (each one calls ``mm.distributed.initialize()``,
 which joins the job from the environment set here), prefixes every output line with
@@ -50,9 +51,30 @@ def _die_with_parent() -> None:
         pass
 
 
+_VALUED = ("--nproc", "--devices-per-process", "--coordinator", "--heartbeat-timeout", "--python")
+
+
+def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Launcher options | the program (``script.py args...`` or ``-m module args...``)."""
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "-m":
+            return argv[:i], argv[i:]
+        if a in _VALUED:
+            i += 2
+        elif a.startswith("-"):
+            i += 1
+        else:
+            break
+    return argv[:i], argv[i:]
+
+
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m multimesh.launch",
+        usage="python -m multimesh.launch --nproc N [options] (script.py | -m module) [args...]",
         description="Run a script as several local JAX processes (jax.distributed), with "
         "rank-prefixed output; one failure stops all.",
     )
@@ -75,9 +97,14 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         help="seconds JAX waits for a silent peer before failing (JAX default: 100)",
     )
     p.add_argument("--python", default=sys.executable, help="interpreter for the processes")
-    p.add_argument("script", help="the Python script to run (or -m module)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    ns = p.parse_args(argv)
+    opts, program = _split(argv)
+    ns = p.parse_args(opts)
+    if not program or program == ["-m"]:
+        p.error("give a script to run (script.py args...) or a module (-m module args...)")
+    if program[0] == "-m":
+        ns.module, ns.script, ns.args = program[1], None, program[2:]
+    else:
+        ns.module, ns.script, ns.args = None, program[0], program[1:]
     if ns.nproc < 1:
         p.error("--nproc must be at least 1")
     if ns.devices_per_process is not None and ns.devices_per_process < 1:
@@ -97,12 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parse(sys.argv[1:] if argv is None else argv)
     coord = ns.coordinator or f"127.0.0.1:{free_port()}"
     cmd = [ns.python, "-u"]
-    if ns.script == "-m":
-        cmd += ns.args[:1] and ["-m", ns.args[0]]
-        args = ns.args[1:]
-    else:
-        cmd.append(ns.script)
-        args = ns.args
+    cmd += ["-m", ns.module] if ns.module is not None else [ns.script]
+    args = ns.args
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     for rank in range(ns.nproc):

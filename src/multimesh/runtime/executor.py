@@ -341,6 +341,9 @@ class Executable:
             aval = slot_var[tgts[0][0]].aval
             leaves.append((a, home, tuple(direct), tuple(extracts), tuple(tgts), aval))
         leaves_t = tuple(leaves)
+        spans = self._loc is not None and any(
+            not sh.is_fully_addressable for *_x, tgts, _a in leaves for _s, sh, _c, _p in tgts
+        )
         put = jax.device_put
         make = jax.make_array_from_single_device_arrays
         pieces_of = _compat.single_device_arrays
@@ -360,6 +363,10 @@ class Executable:
                             env[sid] = make(shape, sh, [parts[p] for p in pos])
                     continue
                 v = _as_array(x, aval)
+                if spans and isinstance(v, jax.Array) and v.is_fully_addressable:
+                    # a process-local value onto a submesh split over processes: every
+                    # process puts its part of the same host value
+                    v = np.asarray(v)
                 for sid, sh, cut, _shape in tgts:
                     ids.append(sid)
                     vals.append(v if cut is None else v[cut[0] : cut[1]])
