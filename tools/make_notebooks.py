@@ -341,7 +341,10 @@ measured["1f1b"].to_chrome_trace("trace-1f1b.json")  # open in ui.perfetto.dev""
         "as one process or as several. Here we run `multimesh.examples.train_multiprocess` both "
         "ways "
         "and compare the losses.",
-        """import os, re, subprocess, sys
+        """import os
+import re
+import subprocess
+import sys
 
 script = ["-m", "multimesh.examples.train_multiprocess"]
 env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "MULTIMESH_"))}
