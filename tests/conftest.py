@@ -10,6 +10,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
+assert len(jax.devices()) == 8  # start the backend now: no test may change the device count
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -164,3 +164,40 @@ def test_launcher_help_and_errors():
     assert proc.returncode == 0 and "--devices-per-process" in proc.stdout
     proc = run([sys.executable, "-m", "multimesh.launch", "--nproc", "0", "x.py"])
     assert proc.returncode != 0 and "--nproc must be at least 1" in proc.stderr
+
+
+def test_sigterm_to_the_launcher_stops_everything(tmp_path):
+    token = str(tmp_path / "term.npz")
+    cmd = [
+        sys.executable,
+        "-m",
+        "multimesh.launch",
+        "--nproc",
+        "2",
+        "--devices-per-process",
+        "4",
+        WORKER,
+        token,
+        "mlp",
+        "--forever",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=ROOT
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if "loss" in proc.stdout.readline():
+                break
+        proc.send_signal(signal.SIGTERM)  # JAX processes catch SIGTERM and keep going
+        t0 = time.monotonic()
+        proc.communicate(timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert proc.returncode != 0
+        time.sleep(0.5)
+        assert _alive(token) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for p in _alive(token):
+            os.kill(p, signal.SIGKILL)

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from multimesh.distributed._init import (
     ENV_COORDINATOR,
@@ -153,10 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             t.start()
             pumps.append(t)
 
-    stopping = {"signal": None}
+    stopping: dict[str, Any] = {"signal": None, "at": 0.0}
 
     def forward(signum, _frame) -> None:
         stopping["signal"] = signum
+        stopping["at"] = time.monotonic()
         for p in procs:
             if p.poll() is None:
                 try:
@@ -174,6 +176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 failed = bad[0]
                 break
             if all(c is not None for c in codes):
+                break
+            # JAX processes catch SIGTERM (preemption notice) and may keep running:
+            # after the grace period, _stop_all escalates to SIGKILL
+            if stopping["signal"] is not None and time.monotonic() - stopping["at"] > GRACE_SECONDS:
                 break
             time.sleep(0.05)
     finally:

@@ -34,8 +34,11 @@ class Config:
     tied: bool = False
     tp: bool = False  # shard heads / MLP hidden over "model", batch over "data"
     dp: bool = False  # shard the batch over "data"
-    fsdp: bool = False  # also shard each block's kernels over "data" (ZeRO-3 style)
+    fsdp: bool = False  # also shard each block's kernels over fsdp_axis (ZeRO-3 style)
     remat: bool = False  # recompute each block in the backward pass (jax.checkpoint)
+    mlp: int = 0  # MLP hidden width (0: 4 x d)
+    batch_axes: tuple[str, ...] = ("data",)  # mesh axes the batch is split over
+    fsdp_axis: str = "data"  # the mesh axis FSDP shards kernels over
 
     def stage_of_layer(self, i: int) -> int:
         return i * self.stages // self.layers
@@ -44,7 +47,8 @@ class Config:
 def _constrain(x: jax.Array, cfg: Config, last: str | None) -> jax.Array:
     if not (cfg.tp or cfg.dp):
         return x
-    spec = [("data" if cfg.dp or cfg.tp else None)] + [None] * (x.ndim - 1)
+    batch = cfg.batch_axes[0] if len(cfg.batch_axes) == 1 else tuple(cfg.batch_axes)
+    spec = [batch] + [None] * (x.ndim - 1)
     if cfg.tp and last is not None:
         spec[-1] = last
     return jax.lax.with_sharding_constraint(x, jax.P(*spec))
@@ -101,9 +105,9 @@ class Embed(nnx.Module):
 
 def _kernel_init(cfg: Config) -> Any:
     init = nnx.initializers.lecun_normal()
-    # FSDP: kernels stored sharded over "data" on their stage's submesh (declared as NNX
+    # FSDP: kernels stored sharded over fsdp_axis on their stage's submesh (declared as NNX
     # sharding metadata, so mm.flax.create makes them sharded in place)
-    return nnx.with_partitioning(init, ("data", None)) if cfg.fsdp else init
+    return nnx.with_partitioning(init, (cfg.fsdp_axis, None)) if cfg.fsdp else init
 
 
 class Block(nnx.Module):
@@ -114,8 +118,9 @@ class Block(nnx.Module):
         self.qkv = nnx.Linear(cfg.d, 3 * cfg.d, kernel_init=k, rngs=rngs)
         self.out = nnx.Linear(cfg.d, cfg.d, kernel_init=k, rngs=rngs)
         self.ln2 = nnx.LayerNorm(cfg.d, rngs=rngs)
-        self.up = nnx.Linear(cfg.d, 4 * cfg.d, kernel_init=k, rngs=rngs)
-        self.down = nnx.Linear(4 * cfg.d, cfg.d, kernel_init=k, rngs=rngs)
+        hidden = cfg.mlp or 4 * cfg.d
+        self.up = nnx.Linear(cfg.d, hidden, kernel_init=k, rngs=rngs)
+        self.down = nnx.Linear(hidden, cfg.d, kernel_init=k, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.cfg

@@ -1,0 +1,204 @@
+"""``multimesh-run``: train a transformer with pipeline x tensor x data x FSDP parallelism.
+
+    multimesh-run                                   # our GPT on 8 virtual CPU devices
+    multimesh-run --pp 2 --tp 2 --dp 2 --schedule zero-bubble-h1 --compare-spmd
+    multimesh-run --model maxtext --model-name llama2-7b --pp 4 --fsdp 2 --backend gpu
+    python -m multimesh.launch --nproc 2 --devices-per-process 4 -m multimesh.run
+
+Every flag is documented in ``--help``. ``pp * tp * dp * fsdp`` must equal the number of
+devices, the layers must divide by ``pp * interleave``, the batch by ``dp * fsdp *
+microbatches``; a violation is a one-line error naming the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="multimesh-run",
+        description="Train a transformer with MultiMesh: pipeline (--pp) x tensor (--tp) x "
+        "data (--dp) x FSDP (--fsdp) parallelism. --model gpt (default) trains MultiMesh's "
+        "own GPT on synthetic tokens; --model maxtext trains unmodified MaxText through its "
+        "own train loop.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    par = p.add_argument_group("parallelism (pp * tp * dp * fsdp = number of devices)")
+    par.add_argument("--pp", type=int, default=None, help="pipeline stages (submeshes)")
+    par.add_argument("--tp", type=int, default=1, help="tensor parallelism inside a stage")
+    par.add_argument("--dp", type=int, default=None, help="data parallelism inside a stage")
+    par.add_argument("--fsdp", type=int, default=1, help="FSDP (sharded params) inside a stage")
+    par.add_argument(
+        "--interleave", type=int, default=1, help="virtual stages per submesh (interleaved 1F1B)"
+    )
+    par.add_argument(
+        "--schedule",
+        choices=SCHEDULES,
+        default=None,
+        help="pipeline schedule (default: 1f1b, or interleaved-1f1b when --interleave > 1)",
+    )
+    mb = par.add_mutually_exclusive_group()
+    mb.add_argument("--num-microbatches", type=int, default=None, help="microbatches per step")
+    mb.add_argument("--microbatch-size", type=int, default=None, help="rows per microbatch")
+    hw = p.add_argument_group("hardware")
+    hw.add_argument("--backend", choices=("cpu", "gpu"), default="cpu", help="JAX backend")
+    hw.add_argument(
+        "--cpus",
+        type=int,
+        default=None,
+        help="virtual CPU devices (--backend cpu; default: pp*tp*dp*fsdp, or 8)",
+    )
+    m = p.add_argument_group("model")
+    m.add_argument("--model", choices=("gpt", "maxtext"), default="gpt", help="which model")
+    m.add_argument(
+        "--model-name", default=None, help="a MaxText model config, e.g. llama2-7b (maxtext)"
+    )
+    m.add_argument(
+        "--num-layers", type=int, default=None, help="decoder layers (default: pp*interleave)"
+    )
+    m.add_argument("--model-dims", type=int, default=64, help="embedding width")
+    m.add_argument("--num-heads", type=int, default=4, help="attention heads")
+    m.add_argument("--mlp-dims", type=int, default=None, help="MLP width (default 4 x model dims)")
+    m.add_argument("--vocab-size", type=int, default=256, help="vocabulary size")
+    m.add_argument("--remat", action="store_true", help="recompute each layer in the backward")
+    t = p.add_argument_group("training")
+    t.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
+    t.add_argument("--sequence-length", type=int, default=32, help="tokens per sequence")
+    t.add_argument("--num-steps", type=int, default=10, help="training steps")
+    t.add_argument("--learning-rate", type=float, default=3e-3, help="AdamW learning rate")
+    t.add_argument("--seed", type=int, default=0, help="random seed (init and data)")
+    o = p.add_argument_group("output and checks")
+    o.add_argument(
+        "--dump",
+        default=None,
+        metavar="DIR",
+        help="write the plan text, a Perfetto trace and simulated/measured Gantt PNGs to DIR",
+    )
+    o.add_argument(
+        "--compare-spmd",
+        action="store_true",
+        help="also run the same steps under plain jax.jit SPMD; exit non-zero if the largest "
+        "loss difference exceeds --tolerance",
+    )
+    o.add_argument("--tolerance", type=float, default=1e-5, help="for --compare-spmd")
+    o.add_argument(
+        "--metrics",
+        default=None,
+        metavar="FILE",
+        help="write the losses, step times and settings as JSON (rank 0)",
+    )
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParser) -> None:
+    """Fill defaults and check the flags against each other (one-line errors)."""
+    if ns.interleave < 1:
+        p.error("--interleave must be at least 1")
+    if ns.schedule is None:
+        ns.schedule = "interleaved-1f1b" if ns.interleave > 1 else "1f1b"
+    if ns.interleave > 1 and ns.schedule != "interleaved-1f1b":
+        p.error(f"--interleave {ns.interleave} needs --schedule interleaved-1f1b")
+    if ns.pp is None and ns.dp is None:
+        ns.pp = min(4, num_devices)
+    if ns.pp is None:
+        ns.pp = max(1, num_devices // (ns.tp * ns.dp * ns.fsdp))
+    if ns.dp is None:
+        ns.dp = max(1, num_devices // (ns.pp * ns.tp * ns.fsdp))
+    for flag in ("pp", "tp", "dp", "fsdp"):
+        if getattr(ns, flag) < 1:
+            p.error(f"--{flag} must be at least 1")
+    total = ns.pp * ns.tp * ns.dp * ns.fsdp
+    if total != num_devices:
+        p.error(
+            f"--pp {ns.pp} x --tp {ns.tp} x --dp {ns.dp} x --fsdp {ns.fsdp} = {total}, but "
+            f"there are {num_devices} devices (--cpus / the launcher / the GPUs)"
+        )
+    stages = ns.pp * ns.interleave
+    if ns.num_layers is None:
+        ns.num_layers = stages
+    if ns.num_layers % stages:
+        p.error(
+            f"--num-layers {ns.num_layers} is not divisible by --pp {ns.pp} x --interleave "
+            f"{ns.interleave} = {stages}"
+        )
+    data = ns.dp * ns.fsdp
+    if ns.microbatch_size is not None:
+        if ns.batch_size % ns.microbatch_size:
+            p.error(
+                f"--batch-size {ns.batch_size} is not divisible by --microbatch-size "
+                f"{ns.microbatch_size}"
+            )
+        ns.num_microbatches = ns.batch_size // ns.microbatch_size
+    if ns.num_microbatches is None:
+        ns.num_microbatches = ns.pp
+    m = ns.num_microbatches
+    if ns.batch_size % (data * m):
+        p.error(
+            f"--batch-size {ns.batch_size} is not divisible by --dp {ns.dp} x --fsdp {ns.fsdp} "
+            f"x --num-microbatches {m} = {data * m}"
+        )
+    if ns.schedule == "interleaved-1f1b" and m % ns.pp:
+        p.error(
+            f"--schedule interleaved-1f1b needs --num-microbatches ({m}) divisible by --pp {ns.pp}"
+        )
+    if ns.model_dims % ns.num_heads:
+        p.error(f"--model-dims {ns.model_dims} is not divisible by --num-heads {ns.num_heads}")
+    if ns.model_dims % ns.tp or (ns.mlp_dims or 4 * ns.model_dims) % ns.tp:
+        p.error(f"--model-dims {ns.model_dims} / --mlp-dims must be divisible by --tp {ns.tp}")
+    if ns.model == "maxtext" and sys.version_info < (3, 12):
+        p.error("--model maxtext needs Python >= 3.12 (MaxText 0.2.5)")
+
+
+def setup_backend(ns: argparse.Namespace) -> bool:
+    """Configure JAX before it starts; returns whether this is a multi-process run."""
+    import multimesh as mm
+
+    multi = mm.distributed.initialize()
+    import jax
+
+    want = "cpu" if ns.backend == "cpu" else "cuda"
+    if jax.config.jax_platforms != want:
+        jax.config.update("jax_platforms", want)
+    if ns.backend == "cpu" and not multi:
+        n = ns.cpus
+        if n is None:
+            flags = [ns.pp, ns.dp]
+            n = ns.pp * ns.tp * ns.dp * ns.fsdp if None not in flags else 8
+        if jax.config.jax_num_cpu_devices != int(n):
+            try:
+                jax.config.update("jax_num_cpu_devices", int(n))
+            except RuntimeError:
+                pass  # JAX already started (e.g. called from Python): validate says so
+    return multi
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    ns = p.parse_args(argv)
+    if ns.cpus is not None and ns.cpus < 1:
+        p.error("--cpus must be at least 1")
+    setup_backend(ns)
+    import jax
+
+    validate(ns, jax.device_count(), p)
+    if ns.model == "maxtext":
+        from multimesh.run import maxtext
+
+        return maxtext.run(ns)
+    from multimesh.run import gpt
+
+    return gpt.run(ns)
+
+
+def entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

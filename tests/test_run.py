@@ -1,0 +1,186 @@
+"""multimesh-run --model gpt: PP x TP x DP x FSDP training equal to plain jax.jit SPMD."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from multimesh.run import cli
+
+SMALL = [
+    "--num-steps",
+    "3",
+    "--model-dims",
+    "32",
+    "--batch-size",
+    "8",
+    "--sequence-length",
+    "8",
+    "--vocab-size",
+    "64",
+    "--no-progress",
+    "--compare-spmd",
+]
+
+
+def run(*args: str, tmp_path: Path) -> dict:
+    metrics = tmp_path / "m.json"
+    code = cli.main([*SMALL, "--metrics", str(metrics), *args])
+    assert code == 0
+    return json.loads(metrics.read_text())
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("--pp", "2", "--tp", "2", "--dp", "2", "--schedule", "zero-bubble-h1"),
+        ("--pp", "4", "--tp", "1", "--dp", "2", "--schedule", "1f1b"),
+        ("--pp", "8", "--tp", "1", "--dp", "1", "--schedule", "gpipe"),
+        ("--pp", "4", "--dp", "2", "--interleave", "2"),
+        pytest.param(
+            ("--pp", "2", "--fsdp", "2", "--tp", "2", "--dp", "1", "--remat"),
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["pp2-tp2-dp2-zb", "pp4-dp2-1f1b", "pp8-gpipe", "pp4-dp2-interleaved", "pp2-fsdp2-tp2"],
+)
+def test_gpt_equals_spmd(layout, tmp_path, capsys):
+    m = run(*layout, tmp_path=tmp_path)
+    out = capsys.readouterr().out
+    assert "largest loss difference vs SPMD" in out and "(ok" in out
+    assert "tokens/s" in out and "model FLOPs utilisation" in out
+    assert len(m["losses"]) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", cli.SCHEDULES)
+@pytest.mark.parametrize("layout", [("2", "2", "2"), ("4", "1", "2"), ("8", "1", "1")])
+def test_every_layout_and_schedule(layout, schedule, tmp_path):
+    pp, tp, dp = layout
+    extra = (
+        ["--interleave", "2", "--num-microbatches", pp] if schedule == "interleaved-1f1b" else []
+    )
+    run("--pp", pp, "--tp", tp, "--dp", dp, "--schedule", schedule, *extra, tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--pp", "3", "--dp", "2"], "--pp 3 x --tp 1 x --dp 2 x --fsdp 1 = 6, but there are 8"),
+        (
+            ["--pp", "4", "--dp", "2", "--num-layers", "6"],
+            "--num-layers 6 is not divisible by --pp 4",
+        ),
+        (
+            ["--pp", "4", "--dp", "2", "--batch-size", "12"],
+            "--batch-size 12 is not divisible by --dp 2",
+        ),
+        (
+            ["--pp", "4", "--dp", "2", "--interleave", "2", "--schedule", "1f1b"],
+            "--interleave 2 needs --schedule interleaved-1f1b",
+        ),
+        (
+            ["--pp", "4", "--dp", "2", "--microbatch-size", "3"],
+            "not divisible by --microbatch-size 3",
+        ),
+        (
+            ["--pp", "4", "--dp", "2", "--tp", "1", "--model-dims", "30"],
+            "--model-dims 30 is not divisible by --num-heads 4",
+        ),
+    ],
+)
+def test_flag_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err, err
+
+
+def test_help_documents_every_flag():
+    text = cli.parser().format_help()
+    for flag in [
+        "--pp",
+        "--tp",
+        "--dp",
+        "--fsdp",
+        "--interleave",
+        "--schedule",
+        "--num-microbatches",
+        "--microbatch-size",
+        "--backend",
+        "--cpus",
+        "--model",
+        "--model-name",
+        "--num-layers",
+        "--model-dims",
+        "--num-heads",
+        "--mlp-dims",
+        "--vocab-size",
+        "--batch-size",
+        "--sequence-length",
+        "--num-steps",
+        "--learning-rate",
+        "--remat",
+        "--seed",
+        "--dump",
+        "--compare-spmd",
+        "--tolerance",
+    ]:
+        assert flag in text, flag
+
+
+def test_dump(tmp_path):
+    out = tmp_path / "dump"
+    run("--pp", "4", "--dp", "2", "--dump", str(out), tmp_path=tmp_path)
+    for name in ["plan.txt", "simulated.png", "measured.png", "trace.json"]:
+        assert (out / name).stat().st_size > 0, name
+    assert "MPMD plan" in (out / "plan.txt").read_text()
+
+
+def test_console_script_and_module(tmp_path):
+    exe = Path(sys.executable).with_name("multimesh-run")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "MULTIMESH_"))}
+    for cmd in ([str(exe), "--help"], [sys.executable, "-m", "multimesh.run", "--help"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 0 and "--compare-spmd" in proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_under_the_launcher_equals_one_process(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "MULTIMESH_"))}
+    args = [*SMALL, "--pp", "4", "--dp", "2"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    p1 = subprocess.run(
+        [sys.executable, "-m", "multimesh.run", *args, "--metrics", str(one)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    p2 = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "multimesh.launch",
+            "--nproc",
+            "2",
+            "--devices-per-process",
+            "4",
+            "-m",
+            "multimesh.run",
+            *args,
+            "--metrics",
+            str(two),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert p2.returncode == 0, p2.stdout[-3000:] + p2.stderr[-3000:]
+    assert json.loads(one.read_text())["losses"] == json.loads(two.read_text())["losses"]
