@@ -7,6 +7,7 @@ the ``.npz`` given as the first argument; every process checks its own plans.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 
@@ -83,6 +84,48 @@ def gpt_program(schedule: str) -> tuple[list[float], list[np.ndarray]]:
     return losses, [np.asarray(a) for a in jax.tree.leaves(mm.distributed.to_host(state))]
 
 
+def checkpoint_program(directory: str, resume: bool) -> tuple[list[float], list[np.ndarray]]:
+    """4 steps with a checkpoint after each; or resume after step 2 and run steps 3-4."""
+    mmesh = mm.make_mesh((4, 2), ("stage", "data"))
+
+    def loss(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                h = h + jnp.tanh(h @ w)
+        return jnp.mean(h**2)
+
+    opt = optax.adam(1e-2)
+
+    def step(state, x):
+        ws, o = state
+        val, g = jax.value_and_grad(loss)(ws, x)
+        u, o = opt.update(g, o, ws)
+        return (optax.apply_updates(ws, u), o), val
+
+    rng = np.random.default_rng(0)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(4)]
+    batches = [np.random.default_rng(10 + i).normal(size=(8, 8)).astype(np.float32)
+               for i in range(4)]
+    state = (ws, opt.init(ws))
+    f = mm.jit(step, mesh=mmesh)
+    losses = []
+    with mm.checkpoint.CheckpointManager(directory) as man:
+        start = 0
+        if resume:
+            # the restore target: where a step's outputs land (shapes, dtypes, shardings)
+            target = f.lower(state, batches[0]).compile().out_info[0]
+            state = man.restore(2, target=target)
+            start = 2
+        for i in range(start, 4):
+            state, val = f(state, batches[i])
+            losses.append(float(mm.distributed.to_host(val)))
+            if not resume:
+                man.save(i + 1, state)
+        man.wait_until_finished()
+    return losses, [np.asarray(a) for a in jax.tree.leaves(mm.distributed.to_host(state))]
+
+
 def check_fed_back_plan(f, state, x, y, bytes_per_param: int) -> None:
     """Outputs fed back move no parameter bytes between submeshes (on every process)."""
     plan = f.lower(state, x, y).plan
@@ -94,6 +137,8 @@ def main() -> None:
     out = sys.argv[1]
     which = sys.argv[2] if len(sys.argv) > 2 else "all"
     forever = "--forever" in sys.argv
+    if os.environ.get("MP_WORKER_DUMP_AFTER"):  # a hang prints every thread's stack, exits
+        faulthandler.dump_traceback_later(float(os.environ["MP_WORKER_DUMP_AFTER"]), exit=True)
     print(f"pid {os.getpid()} process {jax.process_index()} of {jax.process_count()}", flush=True)
     if forever:  # for the failure tests: train until killed
         while True:
@@ -106,6 +151,8 @@ def main() -> None:
         programs += [("gpt-1f1b", gpt_program, "1f1b")]
     if which == "quick":
         programs = [("mlp-1f1b", mlp_program, "1f1b")]
+    if which in ("ckpt-save", "ckpt-resume"):
+        programs = [(which, lambda d: checkpoint_program(d, which == "ckpt-resume"), sys.argv[3])]
     if which == "layout":  # a submesh split over processes that hold another one too
         mmesh = mm.make_mesh((3, 2), ("stage", "data"))
         mm.jit(lambda x: mm.task(lambda v: v * 2, name="t", stage=1)(x), mesh=mmesh)(

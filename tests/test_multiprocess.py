@@ -30,9 +30,17 @@ def clean_env() -> dict[str, str]:
 
 
 def run(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(), cwd=ROOT
-    )
+    """Run ``cmd``; a worker still running ``timeout - 30`` s in prints every thread's stack
+    and exits (the launcher then stops the rest), so a hang fails with its stacks."""
+    env = clean_env()
+    env["MP_WORKER_DUMP_AFTER"] = str(max(timeout - 30, 10))
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"")[-4000:], (e.stderr or b"")[-6000:]
+        pytest.fail(f"timed out after {timeout}s: {cmd}\n{out[0]!r}\n{out[1]!r}")
 
 
 def launch(nproc: int, per: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -78,7 +86,7 @@ def assert_same(got: dict, want: dict) -> None:
 
 
 def test_two_processes_match_one(baseline, tmp_path):
-    proc = launch(2, 4, str(tmp_path / "r.npz"), "quick", timeout=300)
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "quick", timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "[rank 0] pid" in proc.stdout and "[rank 1] pid" in proc.stdout
     assert_same(results(tmp_path / "r.npz"), baseline("quick"))
@@ -94,7 +102,7 @@ def test_every_program_and_schedule(layout, baseline, tmp_path):
 
 
 def test_unsupported_layout_is_a_clear_error(tmp_path):
-    proc = launch(2, 3, str(tmp_path / "r.npz"), "layout", timeout=300)
+    proc = launch(2, 3, str(tmp_path / "r.npz"), "layout", timeout=240)
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "unsupported multi-process layout" in text and "spans processes [0, 1]" in text, text[
@@ -201,3 +209,26 @@ def test_sigterm_to_the_launcher_stops_everything(tmp_path):
             proc.kill()
         for p in _alive(token):
             os.kill(p, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("layout", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
+def test_checkpoint_save_then_resume(layout, tmp_path):
+    """Save each step on N processes, restore step 2 in a new run (possibly another
+    process layout), continue: the losses and parameters equal the uninterrupted run."""
+    ck = str(tmp_path / "ck")
+
+    def go(mode: str, nproc: int, per: int) -> dict:
+        out = tmp_path / f"{mode}-{nproc}.npz"
+        if nproc == 1:
+            proc = run([sys.executable, WORKER, str(out), mode, ck], timeout=120)
+        else:
+            proc = launch(nproc, per, str(out), mode, ck, timeout=120)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return results(out)
+
+    saved = go("ckpt-save", *layout)
+    resumed = go("ckpt-resume", 2, 4)  # always resumed on 2 processes x 4 devices
+    np.testing.assert_array_equal(resumed["ckpt-resume/losses"], saved["ckpt-save/losses"][2:])
+    for k in saved:
+        if k.startswith("ckpt-save/leaf"):
+            np.testing.assert_array_equal(resumed[k.replace("save", "resume")], saved[k])

@@ -5,6 +5,7 @@
 >>> step = mm.jit(train_step, mesh=mmesh)   # tasks inside run on their submeshes
 """
 
+from multimesh import checkpoint as checkpoint
 from multimesh import distributed as distributed
 from multimesh import flax as flax
 from multimesh import schedules as schedules
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "by_layer",
+    "checkpoint",
     "distributed",
     "Compiled",
     "flax",

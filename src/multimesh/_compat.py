@@ -243,3 +243,13 @@ def retype_literal_value(val: Any, aval: Any) -> Any:
     if isinstance(val, _literals.TypedNdArray):
         return _literals.TypedNdArray(np.asarray(val), aval=aval)
     return val
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation: its invars are consts, carry,
+    xs; its outvars carry, ys. JAX <= 0.10 has them as params; newer JAX packs them in
+    ``ft_in`` (a flat tree of (consts, carry, xs))."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _xs = params["ft_in"].unpack()
+    return len(list(consts.vals)), len(list(carry.vals))

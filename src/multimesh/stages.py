@@ -158,6 +158,7 @@ class Compiled:
         self.in_tree = lowered.in_tree
         self.out_tree = lowered.out_tree
         self.plan = lowered.plan
+        self._out_info = lowered.out_info
         self._leaf_keys = [leaf_key(x) for x in lowered._flat]
         self._names: list[str] | None = None
         self._ndims = [len(k[0]) if len(k) > 1 else 0 for k in self._leaf_keys]
@@ -229,6 +230,31 @@ class Compiled:
     def num_executables(self) -> int:
         """Distinct XLA executables (identical fragments share one)."""
         return self._exe.num_executables
+
+    @property
+    def output_shardings(self) -> Any:
+        """Where each output lands (a pytree of shardings, like ``jax.stages.Compiled``)."""
+        return jax.tree_util.tree_unflatten(self.out_tree, self._exe.output_shardings)
+
+    @property
+    def input_shardings(self) -> Any:
+        """Where each argument is used in place (``None``: put where needed each call),
+        as a pytree matching the arguments."""
+        homes = self._exe.homes
+        flat = [homes.get(i) for i in range(len(self._leaf_keys))]
+        return jax.tree_util.tree_unflatten(self.in_tree, flat)
+
+    @property
+    def out_info(self) -> Any:
+        """The outputs as ``jax.ShapeDtypeStruct``s with their shardings: e.g. a restore
+        target for checkpoints of a training step's state."""
+        return jax.tree.map(
+            lambda i, sh: jax.ShapeDtypeStruct(
+                i.shape, i.dtype, sharding=sh, weak_type=i.weak_type
+            ),
+            self._out_info,
+            self.output_shardings,
+        )
 
     @property
     def fragments(self) -> list[Any]:

@@ -123,7 +123,7 @@ def _split_scan(e: Any, ref: TaskRef, num_stages: int, eqns: list[Any], splits: 
     if len(ranges) == 1:
         eqns.append(_with_marker(e, ref.name, ranges[0][2]))
         return
-    nc, ncar = int(params["num_consts"]), int(params["num_carry"])
+    nc, ncar = _compat.scan_counts(params)
     consts = list(e.invars[:nc])
     carry = list(e.invars[nc : nc + ncar])
     xs = list(e.invars[nc + ncar :])

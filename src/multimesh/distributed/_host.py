@@ -1,11 +1,12 @@
 """``to_host``: numpy values on any process, wherever the arrays live.
 
 An output of ``mm.jit`` may live on another process's devices. ``to_host`` asks the
-processes that hold its shards for them: each process runs a small service thread that
-answers requests (posted in ``jax.distributed``'s key-value store) by offering the
-shards on its transfer server, and the caller pulls them. It needs no collective, so it
-works when only one process calls it (e.g. ``if jax.process_index() == 0: print(...)``).
-Each process keeps the outputs of its most recent calls for this.
+processes that hold its shards for them over a small TCP service each process runs in a
+thread of its own (its address is published once in ``jax.distributed``'s key-value
+store). It needs no collective and nothing from the other processes' main threads, so it
+works when only one process calls it (e.g. ``if jax.process_index() == 0: print(...)``),
+even while the others wait in a collective. Each process keeps the outputs of its most
+recent calls for this.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import atexit
 import collections
 import json
+import socket
+import socketserver
 import threading
 import time
 import weakref
@@ -30,7 +33,7 @@ _LOCK = threading.Lock()
 _RECENT: collections.OrderedDict[str, list[jax.Array]] = collections.OrderedDict()
 _GID: dict[int, str] = {}
 _SERVICE: dict[str, Any] = {}
-_COUNTER = [0]
+_PEERS: dict[int, tuple[str, int]] = {}
 _LATEST: dict[str, int] = {}  # program -> latest call registered here
 
 
@@ -62,24 +65,36 @@ def _kv() -> Any:
     return _kv_client()
 
 
-def _server() -> Any:
-    from multimesh.runtime.transport import _TRANSPORT, ServerTransport
+def _local_ip() -> str:
+    """This host's address as the coordinator sees it (the interface that reaches it)."""
+    from jax._src import distributed
 
-    with _LOCK:
-        t = _TRANSPORT.get("server")
-        if t is None:
-            t = _TRANSPORT["server"] = ServerTransport()
-    return t
+    coord = getattr(distributed.global_state, "coordinator_address", None) or "127.0.0.1:0"
+    host = coord.rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
 
 
 def _ensure_service() -> None:
-    if _SERVICE.get("thread") is not None or jax.process_count() == 1:
+    """A small TCP server per process answering ``to_host`` requests for its outputs.
+    It runs in its own thread and needs nothing from the main thread or from JAX's
+    coordination service, so it answers even while this process waits in a collective
+    (e.g. a checkpoint barrier)."""
+    if _SERVICE.get("server") is not None or jax.process_count() == 1:
         return
-    _server()  # publish this process's transfer server address
-    stop = threading.Event()
-    t = threading.Thread(target=_serve, args=(stop,), name="multimesh-to-host", daemon=True)
-    _SERVICE["thread"] = t
+    server = socketserver.ThreadingTCPServer((_local_ip(), 0), _Handler)
+    server.daemon_threads = True
+    t = threading.Thread(target=server.serve_forever, name="multimesh-to-host", daemon=True)
     t.start()
+    _SERVICE["server"] = server
+    host, port = server.server_address[:2]
+    _kv().key_value_set(f"multimesh/host/{jax.process_index()}", f"{host}:{port}")
 
     def _stop() -> None:
         """At exit (before jax.distributed shuts down: atexit runs last-in first), keep
@@ -94,54 +109,56 @@ def _ensure_service() -> None:
                 time.sleep(0.01)
         except Exception:  # noqa: BLE001 - the job is already going down
             pass
-        stop.set()
-        t.join(timeout=5)
+        server.shutdown()
+        server.server_close()
 
     atexit.register(_stop)
 
 
-def _serve(stop: threading.Event) -> None:
-    me = jax.process_index()
-    kv = _kv()
-    prefix = f"multimesh/fetch/{me}/"
-    seen: set[str] = set()
-    while not stop.is_set():
-        try:
-            reqs = kv.key_value_dir_get(prefix)
-        except Exception:  # noqa: BLE001 - the job is shutting down
-            return
-        for key, gid in reqs:
-            if key in seen:
-                continue
-            program, call, _k = gid.split(":")
+class _Handler(socketserver.StreamRequestHandler):
+    """One request: a line with an output id; the reply: a JSON header line (index of
+    each unique shard, dtype) and the shards' bytes."""
+
+    def handle(self) -> None:
+        gid = self.rfile.readline().decode().strip()
+        program, call, _k = gid.split(":")
+        deadline = time.monotonic() + 300
+        while True:  # a request may arrive before this process finished that call
             with _LOCK:
                 latest = _LATEST.get(program, -1)
-            if int(call) > latest:
-                continue  # this process has not finished that call yet: answer later
-            seen.add(key)
-            tag = key[len("multimesh/fetch/") :]  # "{owner}/{requester}-{n}"
-            _answer(kv, tag, gid)
-        time.sleep(0.002)
+            if int(call) <= latest or time.monotonic() > deadline:
+                break
+            time.sleep(0.002)
+        arr = _lookup(gid)
+        if arr is None:
+            self.wfile.write(json.dumps({"error": "expired"}).encode() + b"\n")
+            return
+        index, blobs = [], []
+        seen: set[tuple] = set()
+        for sh in arr.addressable_shards:
+            idx = tuple(
+                (s.start or 0, s.stop if s.stop is not None else n)
+                for s, n in zip(sh.index, arr.shape)
+            )
+            if idx in seen:
+                continue
+            seen.add(idx)
+            data = np.ascontiguousarray(np.asarray(sh.data))
+            index.append(idx)
+            blobs.append(data.tobytes())
+        head = {"index": index, "dtype": np.dtype(arr.dtype).str, "sizes": [len(b) for b in blobs]}
+        self.wfile.write(json.dumps(head).encode() + b"\n")
+        for b in blobs:
+            self.wfile.write(b)
 
 
-def _answer(kv: Any, tag: str, gid: str) -> None:
-    arr = _lookup(gid)
-    if arr is None:
-        kv.key_value_set(f"multimesh/fetched/{tag}", json.dumps({"error": "expired"}))
-        return
-    pieces, index = [], []
-    have: set[tuple] = set()
-    for sh in arr.addressable_shards:
-        idx = tuple(
-            (s.start or 0, s.stop if s.stop is not None else n) for s, n in zip(sh.index, arr.shape)
-        )
-        if idx in have:
-            continue
-        have.add(idx)
-        pieces.append(sh.data)
-        index.append(idx)
-    _server().offer(_compat.stable_hash(f"fetch/{tag}") >> 2, pieces)
-    kv.key_value_set(f"multimesh/fetched/{tag}", json.dumps({"index": index}))
+def _peer(q: int) -> tuple[str, int]:
+    addr = _PEERS.get(q)
+    if addr is None:
+        text = _kv().blocking_key_value_get(f"multimesh/host/{q}", 300_000)
+        host, port = text.rsplit(":", 1)
+        addr = _PEERS[q] = (host, int(port))
+    return addr
 
 
 def _fetch(x: jax.Array) -> np.ndarray:
@@ -154,40 +171,29 @@ def _fetch(x: jax.Array) -> np.ndarray:
         )
     me = jax.process_index()
     out = np.empty(x.shape, dtype=x.dtype)
-    filled = np.zeros(x.shape, dtype=bool) if x.size else None
+    filled = np.zeros(x.shape, dtype=bool)
     for sh in x.addressable_shards:
         out[sh.index] = np.asarray(sh.data)
-        if filled is not None:
-            filled[sh.index] = True
+        filled[sh.index] = True
     owners = sorted({d.process_index for d in x.sharding.device_set} - {me})
-    kv = _kv()
-    dev = jax.local_devices()[0]
     for q in owners:
-        if filled is not None and filled.all():
+        if x.size and filled.all():
             break
-        with _LOCK:
-            _COUNTER[0] += 1
-            tag = f"{q}/{me}-{_COUNTER[0]}"
-        kv.key_value_set(f"multimesh/fetch/{tag}", gid)
-        reply = json.loads(kv.blocking_key_value_get(f"multimesh/fetched/{tag}", 120_000))
-        if "error" in reply:
-            raise RuntimeError(
-                f"mm.distributed.to_host: process {q} no longer holds this output (it keeps "
-                f"the outputs of its last {_KEEP_CALLS} calls per program); fetch it sooner."
-            )
-        specs = [
-            jax.ShapeDtypeStruct(
-                tuple(b - a for a, b in idx),
-                x.dtype,
-                sharding=jax.sharding.SingleDeviceSharding(dev),
-            )
-            for idx in reply["index"]
-        ]
-        got = _server().pull(_compat.stable_hash(f"fetch/{tag}") >> 2, q, specs)
-        for idx, piece in zip(reply["index"], got):
-            sl = tuple(slice(a, b) for a, b in idx)
-            out[sl] = np.asarray(piece)
-            if filled is not None:
+        with socket.create_connection(_peer(q), timeout=330) as conn:
+            conn.sendall(gid.encode() + b"\n")
+            f = conn.makefile("rb")
+            head = json.loads(f.readline())
+            if "error" in head:
+                raise RuntimeError(
+                    f"mm.distributed.to_host: process {q} no longer holds this output (it "
+                    f"keeps the outputs of its last {_KEEP_CALLS} calls per program); fetch "
+                    "it sooner."
+                )
+            for idx, size in zip(head["index"], head["sizes"]):
+                sl = tuple(slice(a, b) for a, b in idx)
+                data = f.read(size)
+                shape = tuple(b - a for a, b in idx)
+                out[sl] = np.frombuffer(data, dtype=np.dtype(head["dtype"])).reshape(shape)
                 filled[sl] = True
     return out
 

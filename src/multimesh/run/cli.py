@@ -72,6 +72,30 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--num-steps", type=int, default=10, help="training steps")
     t.add_argument("--learning-rate", type=float, default=3e-3, help="AdamW learning rate")
     t.add_argument("--seed", type=int, default=0, help="random seed (init and data)")
+    c = p.add_argument_group("checkpoints (Orbax, asynchronous; see mm.checkpoint)")
+    c.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="save the training state (parameters and optimizer state) under DIR",
+    )
+    c.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="save every N steps (default: only after the last step); needs --checkpoint-dir",
+    )
+    c.add_argument(
+        "--max-to-keep", type=int, default=None, metavar="K", help="keep the K latest checkpoints"
+    )
+    c.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest complete checkpoint in --checkpoint-dir (its layout "
+        "may differ: a checkpoint restores into any --pp/--tp/--dp/--fsdp); steps run up to "
+        "--num-steps in all",
+    )
     o = p.add_argument_group("output and checks")
     o.add_argument(
         "--dump",
@@ -151,6 +175,13 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
         p.error(f"--model-dims {ns.model_dims} is not divisible by --num-heads {ns.num_heads}")
     if ns.model_dims % ns.tp or (ns.mlp_dims or 4 * ns.model_dims) % ns.tp:
         p.error(f"--model-dims {ns.model_dims} / --mlp-dims must be divisible by --tp {ns.tp}")
+    if (ns.resume or ns.checkpoint_every is not None) and not ns.checkpoint_dir:
+        flag = "--resume" if ns.resume else "--checkpoint-every"
+        p.error(f"{flag} needs --checkpoint-dir")
+    if ns.checkpoint_every is not None and ns.checkpoint_every < 1:
+        p.error("--checkpoint-every must be at least 1")
+    if ns.max_to_keep is not None and ns.max_to_keep < 1:
+        p.error("--max-to-keep must be at least 1")
     if ns.model == "maxtext" and sys.version_info < (3, 12):
         p.error("--model maxtext needs Python >= 3.12 (MaxText 0.2.5)")
 

@@ -66,6 +66,22 @@ def run(ns: argparse.Namespace) -> int:
     model = mm.flax.create(lambda k: G.GPT(cfg, nnx.Rngs(k)), jax.random.key(ns.seed), mesh=mmesh)
     opt = optax.adamw(ns.learning_rate)
     step, state = G.nnx_train_step(cfg, model, opt, ns.num_microbatches, ns.schedule)
+    manager, start = None, 0
+    if ns.checkpoint_dir:
+        manager = mm.checkpoint.CheckpointManager(ns.checkpoint_dir, max_to_keep=ns.max_to_keep)
+        latest = manager.latest_step() if ns.resume else None
+        if latest is not None:
+            state = manager.restore(latest, target=state)  # onto this run's submeshes
+            start = latest
+        if rank0 and ns.resume:
+            print(
+                f"multimesh-run: resuming at step {start} from {ns.checkpoint_dir}"
+                if latest is not None
+                else f"multimesh-run: no checkpoint in {ns.checkpoint_dir}; starting at step 0"
+            )
+        if start >= ns.num_steps and rank0:
+            print(f"multimesh-run: step {start} reached --num-steps {ns.num_steps}: nothing to do")
+    every = ns.checkpoint_every or ns.num_steps
     host_state = mm.distributed.to_host(state) if ns.compare_spmd else None
     f = mm.jit(step, mesh=mmesh, donate_argnums=0)
     batches = [
@@ -74,9 +90,10 @@ def run(ns: argparse.Namespace) -> int:
     ]
     tokens_per_step = ns.batch_size * ns.sequence_length
     flops = model_flops(state[0], cfg, tokens_per_step)
-    bar = report.progress(ns.num_steps, not ns.no_progress, "training")
+    bar = report.progress(ns.num_steps, not ns.no_progress, "training", initial=start)
+    steps = range(start, ns.num_steps)
     losses, times = [], []
-    for i in range(ns.num_steps):
+    for i in steps:
         t0 = time.perf_counter()
         state, loss = f(state, batches[i])
         value = float(mm.distributed.to_host(loss))
@@ -84,16 +101,23 @@ def run(ns: argparse.Namespace) -> int:
         losses.append(value)
         bar.update(1)
         bar.set_postfix(loss=f"{value:.4f}", step_ms=f"{times[-1] * 1e3:.0f}")
+        if manager is not None and ((i + 1) % every == 0 or i + 1 == ns.num_steps):
+            manager.save(i + 1, state)  # asynchronous: the next step runs while it writes
     bar.close()
+    if manager is not None:
+        manager.wait_until_finished()
+        manager.close()
+    if not losses:
+        return 0
     extra: list[tuple[str, str]] = []
     code = 0
     if ns.compare_spmd:
         ref = jax.jit(step)
         ref_state, worst = host_state, 0.0
         with mmesh:
-            for i in range(ns.num_steps):
+            for k, i in enumerate(steps):
                 ref_state, ref_loss = ref(ref_state, batches[i])
-                worst = max(worst, abs(float(mm.distributed.to_host(ref_loss)) - losses[i]))
+                worst = max(worst, abs(float(mm.distributed.to_host(ref_loss)) - losses[k]))
         ok = worst <= ns.tolerance
         extra.append(
             (
@@ -109,7 +133,12 @@ def run(ns: argparse.Namespace) -> int:
 
         with open(ns.metrics, "w") as fh:
             json.dump(
-                {"losses": losses, "step_times_s": times, "settings": vars(ns)},
+                {
+                    "first_step": start,
+                    "losses": losses,
+                    "step_times_s": times,
+                    "settings": vars(ns),
+                },
                 fh,
                 indent=1,
                 default=str,

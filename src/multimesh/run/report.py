@@ -18,12 +18,12 @@ PEAK_FLOPS = {
 }
 
 
-def progress(steps: int, enabled: bool, desc: str) -> Any:
+def progress(steps: int, enabled: bool, desc: str, initial: int = 0) -> Any:
     """A tqdm progress bar (rank 0 only), or a quiet stand-in."""
     if enabled and jax.process_index() == 0:
         from tqdm import tqdm
 
-        return tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True)
+        return tqdm(total=steps, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
     return _Quiet()
 
 

@@ -210,12 +210,21 @@ class Executable:
         self._template = template
         self._outs: list[Callable[[list[Any]], Any] | None] = []
         literals: list[tuple[int, Any, Any]] = []
+        #: the sharding of each returned output (flat)
+        self.output_shardings: list[Any] = []
+        default_sh = NamedSharding(targets[0].mesh, PartitionSpec())
         for k, (out, req) in enumerate(zip(plan.outputs, requests)):
             if out[0] == "literal":
                 literals.append((k, out[1], out[2]))
                 self._outs.append(None)
+                self.output_shardings.append(
+                    req.final if req.final is not None else req.per_stage.get(0, default_sh)
+                )
                 continue
             ids = out[1]
+            self.output_shardings.append(
+                out_pass.output_sharding(ids, req, slot_sh, slot_stage, self._stage_axis)
+            )
             shape = tuple(slot_var[ids[0]].aval.shape)
             self._outs.append(
                 out_pass.output_fn(
@@ -245,7 +254,9 @@ class Executable:
             piece_shape = tuple(slot_var[ids[0]].aval.shape)
             shape = (piece_shape[0] * len(ids), *piece_shape[1:])
             self._assembled.append((k, list(idxs), gsh, shape, fix))
+            self.output_shardings[k] = gsh
         self._num_outputs = len(plan.outputs) - sum(len(i) - 1 for i in (assembled or {}).values())
+        self.output_shardings = self.output_shardings[: self._num_outputs]
         self._literals = out_pass.literal_fn(
             literals, NamedSharding(targets[0].mesh, PartitionSpec()), requests, loc
         )

@@ -153,6 +153,22 @@ def output_fn(
     return lambda env: jax.device_put(single(env), final_sh)
 
 
+def output_sharding(
+    ids: Sequence[int],
+    req: Request,
+    slot_sh: dict[int, jax.sharding.Sharding],
+    slot_stage: dict[int, int],
+    stage_axis: str,
+) -> Any:
+    """The sharding :func:`output_fn`'s arrays have (the same rules)."""
+    if req.final is not None:
+        return req.final
+    shs = [req.per_stage.get(slot_stage[i]) or slot_sh[i] for i in ids]
+    if len(ids) == 1:
+        return shs[0]
+    return tr.union_sharding(shs, stage_axis) or shs[0]
+
+
 def _remote(shape: tuple[int, ...], sharding: Any, dtype: Any) -> jax.Array:
     return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
 

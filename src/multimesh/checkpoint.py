@@ -1,0 +1,350 @@
+"""Checkpoints of MPMD training state, on Orbax.
+
+    mm.checkpoint.save("/ckpt/step-100", state, step=100)
+    state = mm.checkpoint.restore("/ckpt/step-100", target)
+
+    manager = mm.checkpoint.CheckpointManager("/ckpt", max_to_keep=3)
+    manager.save(step, state)               # asynchronous: training continues
+    state = manager.restore(target=state)   # the latest complete step
+
+A state is any pytree of ``jax.Array``s, wherever they live: on different submeshes,
+sharded over a stage axis, on other processes' devices. Each process writes the shards
+it holds (one replica of each), and a restore reads straight into the target's
+shardings, so no process reads more than it needs and nothing is gathered on one
+device. The target decides the layout: a checkpoint written with 4 stages restores
+into 2 stages, into a TP/DP layout, or into a single device, with the same bits.
+
+``target`` is a pytree of arrays or of ``jax.ShapeDtypeStruct``s with shardings (for
+example a freshly initialised state, or ``jax.eval_shape`` plus the shardings a
+``mm.jit(...).lower(...)`` reports); leaves without a sharding come back as numpy.
+Saves are atomic (Orbax writes to a temporary directory and renames it when done), so
+an interrupted save never leaves a checkpoint that restores wrong: the manager restores
+the previous complete step. A checkpoint that does not match the target (missing or
+extra keys, other shapes or dtypes) is a clear error naming the keys.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from multimesh import _compat
+
+_compat.register_exclusion(__file__)
+
+
+def _ocp() -> Any:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:  # pragma: no cover - an optional dependency
+        raise ImportError(
+            "mm.checkpoint needs Orbax: pip install 'multimesh[checkpoint]' "
+            "(or pip install orbax-checkpoint)."
+        ) from e
+    return ocp
+
+
+def _abstract(target: Any) -> Any:
+    """The target as Orbax restore arguments: arrays keep their shardings."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if isinstance(x, (np.ndarray, np.generic, int, float, bool)):
+            return np.asarray(x)
+        return x
+
+    return jax.tree.map(leaf, target)
+
+
+def _restore_arg(ocp: Any, x: Any) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct) and isinstance(x.sharding, jax.sharding.Sharding):
+        return ocp.ArrayRestoreArgs(
+            sharding=x.sharding, global_shape=tuple(x.shape), dtype=x.dtype, strict=True
+        )
+    return ocp.RestoreArgs(restore_type=np.ndarray)
+
+
+def _handler() -> Any:
+    """Orbax's PyTree handler; in multi-process runs with whole-shard writes (no
+    replica-parallel slicing), so a process that holds no shard of an array records the
+    same chunk layout as the one that writes it."""
+    ocp = _ocp()
+    if jax.process_count() == 1:
+        return ocp.PyTreeCheckpointHandler()
+    th = ocp.type_handlers
+    kinds = [int, float, bytes, np.number, np.ndarray, str, type(ocp.PLACEHOLDER)]
+    registry = th.create_type_handler_registry(
+        *[(k, th.get_type_handler(k)) for k in kinds if th.has_type_handler(k)],
+        (jax.Array, th.ArrayHandler(use_replica_parallel=False)),
+    )
+    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
+def _accept_mpmd_arrays() -> None:
+    """Let Orbax save arrays that live entirely on one process's devices.
+
+    In a multi-process run Orbax refuses arrays that are fully addressable on the saving
+    process (it takes them for ``pmap``-style host-local arrays). Under MPMD such an array
+    is a proper global array whose submesh belongs to one process: that process writes
+    its shards and the others, which hold none, write nothing, which is what Orbax's
+    writer does once past that check. The check is the only use of ``process_count`` in
+    the module, so it sees a one-process view there."""
+    if jax.process_count() == 1:
+        return
+    try:
+        from orbax.checkpoint._src.serialization import jax_array_handlers as mod
+        from orbax.checkpoint._src.serialization import replica_slices as rs
+    except ImportError as e:
+        raise ImportError(
+            "multi-process MPMD checkpoints need orbax-checkpoint's serialization modules "
+            f"(jax_array_handlers, replica_slices), which this Orbax version lacks: {e}"
+        ) from e
+    if isinstance(mod.jax, _OneProcessView):
+        return
+    mod.jax = _OneProcessView(jax)
+    # an array with no shard on this process: nothing for this process to write
+    original = rs.get_replica_slices
+
+    def get_replica_slices(arr: Any, *args: Any, **kwargs: Any) -> Any:
+        if not arr.addressable_shards:
+            return rs.ReplicaSlices(
+                global_shape=arr.shape,
+                local_shape=arr.sharding.shard_shape(arr.shape),
+                sharding=arr.sharding,
+                dtype=arr.dtype,
+                is_on_host=False,
+                replica_slices=[],
+            )
+        return original(arr, *args, **kwargs)
+
+    rs.get_replica_slices = get_replica_slices
+
+
+class _OneProcessView:
+    """``jax`` with ``process_count() == 1`` (see :func:`_accept_mpmd_arrays`)."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def process_count(self) -> int:
+        return 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _elsewhere(x: Any) -> bool:
+    """A leaf whose sharding has no device of this process (multi-process runs)."""
+    sh = getattr(x, "sharding", None)
+    if jax.process_count() == 1 or not isinstance(sh, jax.sharding.Sharding):
+        return False
+    me = jax.process_index()
+    return all(d.process_index != me for d in sh.device_set)
+
+
+def _restore(restore_fn: Any, target: Any) -> Any:
+    """Restore through Orbax, skipping (``PLACEHOLDER``) the arrays that live entirely
+    on other processes (Orbax cannot build arrays with no local shard) and making them
+    global arrays without local shards afterwards."""
+    ocp = _ocp()
+    abstract = _abstract(target)
+    skipped = jax.tree.map(_elsewhere, abstract)
+    item = jax.tree.map(lambda x, s: ocp.PLACEHOLDER if s else x, abstract, skipped)
+    restore_args = jax.tree.map(
+        lambda x, s: ocp.PLACEHOLDER if s else _restore_arg(ocp, x), abstract, skipped
+    )
+    got = restore_fn(ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
+    if not any(jax.tree.leaves(skipped)):
+        return got
+    return jax.tree.map(
+        lambda g, x, s: (
+            jax.make_array_from_single_device_arrays(x.shape, x.sharding, [], dtype=x.dtype)
+            if s
+            else g
+        ),
+        got,
+        abstract,
+        skipped,
+        is_leaf=lambda v: v is ocp.PLACEHOLDER,
+    )
+
+
+def _meta_tree(meta: Any) -> Any:
+    tree = getattr(meta, "item_metadata", meta)
+    tree = getattr(tree, "tree", tree)
+    return tree
+
+
+def _key_name(k: Any) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _keyed(tree: Any) -> dict[str, Any]:
+    """Leaves by path, written the same way for the target and the checkpoint metadata
+    (which stores named tuples and dataclasses as dicts)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_array_like_leaf)
+    return {"/".join(_key_name(k) for k in p) or "<root>": x for p, x in leaves}
+
+
+def _array_like_leaf(x: Any) -> bool:
+    """Array-like and not itself a pytree node (a Flax ``Variable`` has a shape and a
+    dtype too, but is a node holding its value)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        return False
+    return jax.tree_util.all_leaves([x])
+
+
+def _listed(keys: list[str], limit: int = 12) -> str:
+    if len(keys) <= limit:
+        return str(keys)
+    return f"{keys[:limit]} and {len(keys) - limit} more"
+
+
+def check_compatible(meta: Any, target: Any, where: str) -> None:
+    """Raise ``ValueError`` naming every key that differs between a checkpoint's
+    metadata and the target (missing, extra, shape, dtype)."""
+    saved = _keyed(_meta_tree(meta))
+    want = _keyed(_abstract(target))
+    if want and not saved:
+        raise ValueError(f"checkpoint {where} is unreadable or corrupt: it lists no arrays")
+    missing = sorted(set(want) - set(saved))
+    extra = sorted(set(saved) - set(want))
+    wrong = []
+    for k in sorted(set(saved) & set(want)):
+        s, w = saved[k], want[k]
+        if tuple(s.shape) != tuple(w.shape):
+            wrong.append(f"{k}: shape {tuple(s.shape)} in the checkpoint, {tuple(w.shape)} wanted")
+        elif np.dtype(s.dtype) != np.dtype(w.dtype):
+            wrong.append(
+                f"{k}: dtype {np.dtype(s.dtype)} in the checkpoint, {np.dtype(w.dtype)} wanted"
+            )
+    if missing or extra or wrong:
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint: {_listed(missing)}")
+        if extra:
+            parts.append(f"in the checkpoint but not in the target: {_listed(extra)}")
+        parts += wrong[:12] + ([f"and {len(wrong) - 12} more"] if len(wrong) > 12 else [])
+        raise ValueError(f"checkpoint {where} does not match the target: " + "; ".join(parts))
+
+
+def save(
+    path: str | os.PathLike, state: Any, *, step: int | None = None, force: bool = False
+) -> None:
+    """Write ``state`` to ``path`` (a new directory) and wait until it is complete.
+
+    Every process must call it (as with any multi-process save). ``step`` is recorded in
+    the checkpoint's metadata. ``force=True`` replaces an existing checkpoint."""
+    ocp = _ocp()
+    path = Path(path).absolute()
+    _accept_mpmd_arrays()
+    with ocp.Checkpointer(_handler()) as ck:
+        ck.save(path, args=ocp.args.PyTreeSave(state), force=force, custom_metadata={"step": step})
+
+
+def restore(path: str | os.PathLike, target: Any) -> Any:
+    """Read the checkpoint at ``path`` into the layout of ``target`` (see the module
+    docstring); every process reads only the shards of its own devices."""
+    ocp = _ocp()
+    path = Path(path).absolute()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no checkpoint at {path} (an interrupted save leaves none: use "
+            "CheckpointManager to restore the latest complete step)"
+        )
+    with ocp.Checkpointer(_handler()) as ck:
+        try:
+            meta = ck.metadata(path)
+        except Exception as e:  # noqa: BLE001 - Orbax raises many kinds
+            raise ValueError(f"checkpoint {path} is unreadable or corrupt: {e}") from e
+        check_compatible(meta, target, str(path))
+        try:
+            return _restore(lambda args: ck.restore(path, args=args), target)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"checkpoint {path} could not be restored (corrupt?): {e}") from e
+
+
+class CheckpointManager:
+    """Numbered checkpoints in ``directory``: asynchronous saves, the latest complete
+    step on restore, old steps pruned (``max_to_keep``)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = None,
+        save_interval_steps: int = 1,
+        async_save: bool = True,
+    ) -> None:
+        ocp = _ocp()
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            save_interval_steps=save_interval_steps,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
+        self._ocp = ocp
+        # the handler is named up front, so a new process can read existing steps' metadata
+        self._m = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handler())
+
+    def save(self, step: int, state: Any, *, force: bool = False) -> bool:
+        """Start saving ``state`` as ``step`` (returns at once when asynchronous; the
+        arrays are copied first, so training may go on and donate them). Returns
+        whether a save happened (``save_interval_steps``)."""
+        _accept_mpmd_arrays()
+        return bool(self._m.save(step, args=self._ocp.args.PyTreeSave(state), force=force))
+
+    def latest_step(self) -> int | None:
+        """The newest complete step (interrupted saves are not steps)."""
+        return self._m.latest_step()
+
+    def all_steps(self) -> Sequence[int]:
+        return list(self._m.all_steps())
+
+    def restore(self, step: int | None = None, *, target: Any) -> Any:
+        """Read ``step`` (default: the latest complete one) into ``target``'s layout."""
+        self.wait_until_finished()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+        elif step not in self.all_steps():
+            raise FileNotFoundError(
+                f"no complete checkpoint for step {step} in {self.directory} "
+                f"(complete steps: {self.all_steps()})"
+            )
+        where = f"{self.directory} step {step}"
+        try:
+            meta = self._m.item_metadata(step)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"checkpoint {where} is unreadable or corrupt: {e}") from e
+        check_compatible(meta, target, where)
+        try:
+            return _restore(lambda args: self._m.restore(step, args=args), target)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"checkpoint {where} could not be restored (corrupt?): {e}") from e
+
+    def wait_until_finished(self) -> None:
+        """Block until pending asynchronous saves are complete."""
+        self._m.wait_until_finished()
+
+    def close(self) -> None:
+        self._m.close()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,177 @@
+"""Orbax checkpoints of MPMD state: resume exactly, restore into other layouts, faults."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import stage_of
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import multimesh as mm
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def program(stages: int, layers: int = 4, tp: bool = False):
+    opt = optax.adam(1e-2)
+
+    def loss(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i * stages // layers):
+                z = h @ w
+                if tp:
+                    z = jax.lax.with_sharding_constraint(z, P(None, "model"))
+                h = h + jnp.tanh(z)
+        return (h**2).mean()
+
+    def step(state, x):
+        ws, o = state
+        v, g = jax.value_and_grad(loss)(ws, x)
+        u, o = opt.update(g, o, ws)
+        return (optax.apply_updates(ws, u), o), v
+
+    rng = np.random.default_rng(0)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(layers)]
+    return step, (ws, opt.init(ws))
+
+
+def batch(i: int) -> np.ndarray:
+    return np.random.default_rng(100 + i).normal(size=(8, 8)).astype(np.float32)
+
+
+def same_bits(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_save_restore_continue_equals_uninterrupted(mesh4x2, tmp_path):
+    step, state = program(4)
+    f = mm.jit(step, mesh=mesh4x2)
+    losses, s = [], state
+    with mm.checkpoint.CheckpointManager(tmp_path / "ck", max_to_keep=2) as man:
+        for i in range(5):
+            s, v = f(s, batch(i))
+            losses.append(float(v))
+            man.save(i + 1, s)  # asynchronous: the next step runs while it writes
+        man.wait_until_finished()
+        assert man.all_steps() == [4, 5] and man.latest_step() == 5
+        # the latest step, into a differently placed target (host arrays -> numpy)
+        restored = man.restore(target=jax.tree.map(np.asarray, state))
+        same_bits(restored, s)
+        with pytest.raises(FileNotFoundError, match="no complete checkpoint for step 3"):
+            man.restore(3, target=state)  # pruned (max_to_keep=2)
+    # from scratch: run 3 steps, save, restore into the live state's layout, continue
+    s = state
+    for i in range(3):
+        s, _ = f(s, batch(i))
+    mm.checkpoint.save(tmp_path / "step3", s, step=3)
+    r = mm.checkpoint.restore(tmp_path / "step3", target=s)
+    assert [x.sharding for x in jax.tree.leaves(r)] == [x.sharding for x in jax.tree.leaves(s)]
+    same_bits(r, s)
+    resumed = []
+    for i in range(3, 5):
+        r, v = f(r, batch(i))
+        resumed.append(float(v))
+    assert resumed == losses[3:5]
+
+
+def test_restore_into_other_layouts(tmp_path):
+    four = mm.make_mesh((4, 2), ("stage", "data"))
+    two_tp = mm.make_mesh((2, 2, 2), ("stage", "data", "model"))
+    step4, state = program(4)
+    s4, _ = mm.jit(step4, mesh=four)(state, batch(0))
+    mm.checkpoint.save(tmp_path / "four", s4)
+    # 4 stages -> 2 stages x TP2: the target is what the 2-stage program returns
+    step2, _ = program(2, tp=True)
+    f2 = mm.jit(step2, mesh=two_tp)
+    s2_template, _ = f2(state, batch(0))
+    s2 = mm.checkpoint.restore(tmp_path / "four", target=s2_template)
+    same_bits(s2, s4)
+    assert stage_of(s2[0][3], two_tp) == 1 and stage_of(s2[0][0], two_tp) == 0
+    s2, _ = f2(s2, batch(1))  # trains on in the new layout
+    mm.checkpoint.save(tmp_path / "two", s2)
+    # 2 stages x TP2 -> one device (a plain jax.jit run), and back to 4 stages
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target1 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=one), s2)
+    s1 = mm.checkpoint.restore(tmp_path / "two", target=target1)
+    same_bits(s1, s2)
+    assert all(x.sharding == one for x in jax.tree.leaves(s1))
+    s1, _ = jax.jit(step4)(s1, batch(2))
+    mm.checkpoint.save(tmp_path / "one", s1)
+    back = mm.checkpoint.restore(tmp_path / "one", target=s4)
+    same_bits(back, s1)
+    assert [x.sharding for x in jax.tree.leaves(back)] == [x.sharding for x in jax.tree.leaves(s4)]
+
+
+def test_stage_sharded_arrays(mesh4x2, tmp_path):
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh4x2.mesh, P("stage")))
+    mm.checkpoint.save(tmp_path / "c", {"stacked": x})
+    target = {"stacked": jax.ShapeDtypeStruct((8, 4), jnp.float32,
+                                              sharding=NamedSharding(mesh4x2.submesh(2), P()))}
+    r = mm.checkpoint.restore(tmp_path / "c", target)
+    same_bits(r["stacked"], x)
+    assert stage_of(r["stacked"], mesh4x2) == 2
+
+
+def test_mismatched_checkpoints_are_clear_errors(tmp_path):
+    state = {"a": jnp.ones((2, 3)), "b": {"c": jnp.zeros(4, jnp.int32)}}
+    mm.checkpoint.save(tmp_path / "c", state)
+    with pytest.raises(ValueError, match=r"a: shape \(2, 3\) in the checkpoint, \(3, 2\) wanted"):
+        mm.checkpoint.restore(tmp_path / "c", {"a": jnp.ones((3, 2)), "b": state["b"]})
+    with pytest.raises(ValueError, match=r"b/c: dtype int32 in the checkpoint, float32 wanted"):
+        mm.checkpoint.restore(tmp_path / "c", {"a": state["a"], "b": {"c": jnp.zeros(4)}})
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: \['b/d'\]"):
+        mm.checkpoint.restore(tmp_path / "c", {**state, "b": {**state["b"], "d": jnp.ones(1)}})
+    with pytest.raises(ValueError, match=r"in the checkpoint but not in the target: \['b/c'\]"):
+        mm.checkpoint.restore(tmp_path / "c", {"a": state["a"], "b": {}})
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        mm.checkpoint.restore(tmp_path / "nothing", state)
+    # corrupt array data, then corrupt metadata: clear errors, never wrong values
+    big = {"a": jnp.arange(100_000.0)}
+    mm.checkpoint.save(tmp_path / "broken", big)
+    for p in (tmp_path / "broken").rglob("*"):
+        if p.is_file() and p.parent.name == "d" and p.parent.parent.name.startswith("ocdbt"):
+            p.write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="could not be restored"):
+        mm.checkpoint.restore(tmp_path / "broken", big)
+    (tmp_path / "c" / "_METADATA").write_text("garbage")
+    with pytest.raises(ValueError, match="unreadable or corrupt"):
+        mm.checkpoint.restore(tmp_path / "c", state)
+
+
+def test_killed_during_save_restores_previous_step(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        import jax, numpy as np
+        jax.config.update("jax_platforms", "cpu")
+        import multimesh as mm
+        man = mm.checkpoint.CheckpointManager({str(tmp_path / "ck")!r})
+        man.save(1, {{"w": np.full((1000, 1000), 1.0, np.float32)}})
+        man.wait_until_finished()
+        big = {{"w": np.full((1000, 1000), 2.0, np.float32),
+               "more": [np.full((1000, 1000), float(i), np.float32) for i in range(60)]}}
+        man.save(2, big)  # asynchronous: writing in the background...
+        os.kill(os.getpid(), signal.SIGKILL)  # ... when the process dies
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == -9
+    leftovers = [p.name for p in (tmp_path / "ck").iterdir()]
+    assert any("tmp" in n for n in leftovers) or "2" not in leftovers, leftovers
+    with mm.checkpoint.CheckpointManager(tmp_path / "ck") as man:
+        assert man.latest_step() == 1
+        r = man.restore(target={"w": np.zeros((1000, 1000), np.float32)})
+    assert np.all(np.asarray(r["w"]) == 1.0)
+
+
