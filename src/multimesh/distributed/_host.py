@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import collections
 import json
+import queue
 import socket
 import socketserver
 import threading
@@ -88,8 +89,7 @@ def _ensure_service() -> None:
     (e.g. a checkpoint barrier)."""
     if _SERVICE.get("server") is not None or jax.process_count() == 1:
         return
-    server = socketserver.ThreadingTCPServer((_local_ip(), 0), _Handler)
-    server.daemon_threads = True
+    server = _PooledServer((_local_ip(), 0), _Handler)
     t = threading.Thread(target=server.serve_forever, name="multimesh-to-host", daemon=True)
     t.start()
     _SERVICE["server"] = server
@@ -113,6 +113,34 @@ def _ensure_service() -> None:
         server.server_close()
 
     atexit.register(_stop)
+
+
+class _PooledServer(socketserver.TCPServer):
+    """A TCP server whose requests are handled by a few threads started up front: a
+    request may wait for a call to finish, and Python >= 3.12 cannot start threads
+    while the interpreter shuts down (when ``_stop`` still answers late requests)."""
+
+    allow_reuse_address = True
+    workers = 4
+
+    def __init__(self, address: tuple[str, int], handler: type) -> None:
+        super().__init__(address, handler)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for n in range(self.workers):
+            threading.Thread(target=self._work, name=f"multimesh-to-host-{n}", daemon=True).start()
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._queue.put((request, client_address))
+
+    def _work(self) -> None:
+        while True:
+            request, client_address = self._queue.get()
+            try:
+                self.finish_request(request, client_address)
+            except Exception:  # noqa: BLE001 - the asking process sees the closed socket
+                self.handle_error(request, client_address)
+            finally:
+                self.shutdown_request(request)
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -182,7 +210,13 @@ def _fetch(x: jax.Array) -> np.ndarray:
         with socket.create_connection(_peer(q), timeout=330) as conn:
             conn.sendall(gid.encode() + b"\n")
             f = conn.makefile("rb")
-            head = json.loads(f.readline())
+            line = f.readline()
+            if not line:
+                raise RuntimeError(
+                    f"mm.distributed.to_host: process {q} closed the connection without "
+                    "answering (did it fail or exit? see its log)"
+                )
+            head = json.loads(line)
             if "error" in head:
                 raise RuntimeError(
                     f"mm.distributed.to_host: process {q} no longer holds this output (it "
