@@ -9,7 +9,6 @@ No jaxpr is walked at run time.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,14 +21,25 @@ from multimesh.compiler import layers
 from multimesh.compiler import shardings as shard_pass
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.plan import Plan
-from multimesh.runtime import crossproc
+from multimesh.runtime import compiling, crossproc
 from multimesh.runtime import outputs as out_pass
 from multimesh.runtime import transfer as tr
 from multimesh.runtime.inputs import InputInfo
 
 _compat.register_exclusion(__file__)
 
-_RUN, _CALL = 0, 1
+_RUN, _CALL, _LATER = 0, 1, 2
+
+
+def _resolved_step(st: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A step with its compile job's result in place."""
+    code, fn, ins, outs, free = st
+    if code == _RUN:
+        return (code, compiling.resolve(fn), ins, outs, free)
+    if code == _LATER:
+        step = fn.get()[0]
+        return (*step[:4], free or step[4])
+    return st
 
 
 def _sanitize(name: str) -> str:
@@ -65,7 +75,9 @@ class Executable:
             crossproc.check_layout(loc, targets)
         self._calls = 0
         self._uid = _compat.stable_hash(plan.as_text())
-        slot_sh: dict[int, jax.sharding.Sharding] = {}
+        slot_sh: dict[int, Any] = compiling.LazyDict()  # values may be pending compiles
+        # fragments compile on a thread pool, in plan order (single-process runs)
+        jobs = compiling.Jobs(compiling.num_threads() if loc is None else 1)
         template: list[Any] = [None] * plan.num_slots
         steps: list[tuple[Any, ...]] = []
         slot_var = {sid: var for (var, _s), sid in plan.slots.items()}
@@ -146,7 +158,6 @@ class Executable:
                     [v for v, _ in f.inputs], [v for v, _ in f.outputs], eqns, info.name
                 )
                 fn = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(jaxpr, []))
-                in_sh = tuple(slot_sh[i] for i in in_ids)
                 # a fragment without inputs would run on the default device: pin it
                 out_sh = tuple(
                     force_sh.get(i, NamedSharding(mesh, PartitionSpec()) if not in_ids else None)
@@ -170,26 +181,34 @@ class Executable:
                 donate = tuple(donate_l)
                 self.donated_slots.update(in_ids[k] for k in donate)
                 body = _named(fn, "mm_" + _sanitize(info.name))
-                avals = [
-                    jax.ShapeDtypeStruct(
-                        v.aval.shape,
-                        v.aval.dtype,
-                        sharding=sh,
-                        weak_type=getattr(v.aval, "weak_type", False),
+
+                def job(f=f, in_ids=in_ids, out_sh=out_sh, donate=donate, body=body,
+                        info=info, mesh=mesh, jaxpr=jaxpr) -> Any:
+                    in_sh = tuple(slot_sh[i] for i in in_ids)  # waits for the producers
+                    avals = [
+                        jax.ShapeDtypeStruct(
+                            v.aval.shape,
+                            v.aval.dtype,
+                            sharding=sh,
+                            weak_type=getattr(v.aval, "weak_type", False),
+                        )
+                        for (v, _), sh in zip(f.inputs, in_sh)
+                    ]
+                    # identical fragments (e.g. one stage's work for each microbatch, or
+                    # the same program planned for other input placements) share one
+                    # executable
+                    key = (str(jaxpr), in_sh, out_sh, donate, tuple(avals), opt_key)
+                    return compiling.compile_once(
+                        cache,
+                        key,
+                        lambda: _compile(body, in_sh, out_sh, donate, avals, options, info, mesh),
                     )
-                    for (v, _), sh in zip(f.inputs, in_sh)
-                ]
-                # identical fragments (e.g. one stage's work for each microbatch, or the
-                # same program planned for other input placements) share one executable
-                key = (str(jaxpr), in_sh, out_sh, donate, tuple(avals), opt_key)
-                compiled = cache.get(key)
-                if compiled is None:
-                    compiled = _compile(body, in_sh, out_sh, donate, avals, options, info, mesh)
-                    cache[key] = compiled
+
+                compiled = jobs.submit(job)
                 self.compiled.append(compiled)
                 self._run_index.append(len(steps))
-                for i, sh in zip(out_ids, compiled.output_shardings):
-                    slot_sh[i] = sh
+                for k, i in enumerate(out_ids):
+                    slot_sh[i] = compiled.derive(lambda c, k=k: c.output_shardings[k])
                 owned.update(out_ids)
                 if loc is not None and not loc.has(mesh.devices.flat):
                     continue  # another process runs it (compiled here for its shardings)
@@ -197,7 +216,12 @@ class Executable:
                 continue
             elif st.kind == "transfer":
                 if loc is None:
-                    steps.append(self._transfer_step(st, targets, slot_sh))
+                    later = jobs.submit(lambda st=st: self._transfer_step(st, targets, slot_sh))
+                    for _src, dst, *_ in st.items:
+                        slot_sh[dst] = later.derive(lambda r, dst=dst: r[1][dst])
+                    steps.append((_LATER, later, (), (), tuple(st.free)))
+                    owned.update(dst for _src, dst, *_ in st.items)
+                    continue
                 else:
                     run = crossproc.transfer_step(
                         st.items, targets, slot_sh, loc, self._uid_base, step_no
@@ -206,7 +230,10 @@ class Executable:
                 owned.update(dst for _src, dst, *_ in st.items)
             if st.free and steps[-1][0] == _CALL:
                 steps[-1] = (*steps[-1][:4], tuple(st.free))
-        self._steps = steps
+        jobs.wait()
+        slot_sh = slot_sh.resolved()
+        self.compiled = [compiling.resolve(c) for c in self.compiled]
+        self._steps = [_resolved_step(st) for st in steps]
         self._template = template
         self._outs: list[Callable[[list[Any]], Any] | None] = []
         literals: list[tuple[int, Any, Any]] = []
@@ -389,13 +416,15 @@ class Executable:
         return (_CALL, run_inputs, (), (), ())
 
     def _transfer_step(self, st, targets, slot_sh):
+        """The step copying ``st``'s values, and the destinations' shardings."""
         fast_src, fast_dst, fast_sh = [], [], []
         slow_src, slow_dst, slow_sh = [], [], []
+        dst_sh = {}
         for src, dst, aval, _s, d in st.items:
             shape = tuple(aval.shape)
             ssh = slot_sh[src]
             dsh = tr.dst_sharding(ssh, targets[d].mesh, shape)
-            slot_sh[dst] = dsh
+            dst_sh[dst] = dsh
             if tr.same_layout(ssh, dsh, shape) and not _is_key(aval):
                 fast_src.append(src), fast_dst.append(dst), fast_sh.append(dsh)
             else:
@@ -410,7 +439,7 @@ class Executable:
                 for i, v in zip(slow_dst, jax.device_put([env[i] for i in slow_src], slow_sh)):
                     env[i] = v
 
-        return (_CALL, run_transfer, (), (), ())
+        return (_CALL, run_transfer, (), (), ()), dst_sh
 
     # -- call -------------------------------------------------------------------------
 
@@ -478,8 +507,7 @@ def _compile(body, in_sh, out_sh, donate, avals, options, info, mesh) -> Any:
     """Compile one fragment. Outputs XLA pins to one device (e.g. a callback's result)
     are made replicated NamedShardings, so later fragments can take them as inputs."""
     for attempt in range(2):
-        with warnings.catch_warnings(), _compat.no_mesh_context():
-            warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+        with compiling.quiet_unusable_donations(), _compat.no_mesh_context():
             try:
                 lowered = jax.jit(
                     body, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate

@@ -1,0 +1,121 @@
+"""Fragments compile on a thread pool: same executables and bits as compiling one by one."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import multimesh as mm
+from multimesh.runtime import compiling
+
+
+def pipeline_step(schedule: str):
+    def loss(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                h = h + jnp.tanh(h @ w)
+        return jnp.mean(h**2)
+
+    def step(ws, x):
+        v, g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1, schedule=schedule)(ws, x)
+        return [w - 0.1 * d for w, d in zip(ws, g)], v
+
+    return step
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
+def test_parallel_compile_equals_serial_and_reference(schedule, mesh4x2, monkeypatch):
+    step = pipeline_step(schedule)
+    rng = np.random.default_rng(0)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(4)]
+    x = rng.normal(size=(8, 8)).astype(np.float32)
+    ref = jax.jit(step)(ws, x)
+    got = {}
+    for threads in ("1", "4"):
+        monkeypatch.setenv("MULTIMESH_COMPILE_THREADS", threads)
+        c = mm.jit(step, mesh=mesh4x2).lower(ws, x).compile()
+        got[threads] = (c(ws, x), c.plan.as_text(), len(c.fragments), len(set(map(id, c.fragments))))
+    out1, text1, n1, distinct1 = got["1"]
+    out4, text4, n4, distinct4 = got["4"]
+    assert text1 == text4 and n1 == n4 and distinct1 == distinct4
+    assert distinct4 < n4  # identical microbatch fragments still share executables
+    for a, b, r in zip(jax.tree.leaves(out1), jax.tree.leaves(out4), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_allclose(np.asarray(b), np.asarray(r), rtol=1e-6, atol=1e-6)
+
+
+def test_compile_errors_come_from_the_failing_fragment(mesh4x2, monkeypatch):
+    """The first failing fragment's error, as with one-by-one compiles."""
+    monkeypatch.setenv("MULTIMESH_COMPILE_THREADS", "4")
+
+    def f(x):
+        with mm.task("a", stage=0):
+            y = x * 2
+        with mm.task("b", stage=1):
+            jax.debug.print("y {}", y.sum(), ordered=True)
+            return y + 1
+
+    with pytest.raises(ValueError, match="fragment .*ordered effects"):
+        mm.jit(f, mesh=mesh4x2)(jnp.ones(4))
+
+
+def test_bad_thread_count_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("MULTIMESH_COMPILE_THREADS", "many")
+    with pytest.raises(ValueError, match="MULTIMESH_COMPILE_THREADS='many'"):
+        compiling.num_threads()
+    monkeypatch.setenv("MULTIMESH_COMPILE_THREADS", "0")
+    assert compiling.num_threads() == 1
+
+
+def test_compile_once_builds_a_shared_key_once():
+    cache: dict = {}
+    calls = []
+
+    def build():
+        calls.append(1)
+        time.sleep(0.05)
+        return object()
+
+    results = []
+    threads = [
+        threading.Thread(target=lambda: results.append(compiling.compile_once(cache, "k", build)))
+        for _ in range(6)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len({id(r) for r in results}) == 1 and cache["k"] is results[0]
+
+    def boom():
+        raise RuntimeError("no")
+
+    with pytest.raises(RuntimeError, match="no"):
+        compiling.compile_once(cache, "bad", boom)
+    assert "bad" not in cache  # a failed build is not cached: the next attempt retries
+
+
+def test_pending_values_and_jobs_in_order():
+    jobs = compiling.Jobs(3)
+    first = jobs.submit(lambda: {"a": 1})
+    lazy = compiling.LazyDict(x=first.derive(lambda r: r["a"]))
+    second = jobs.submit(lambda: lazy["x"] + 1)  # waits for the first job
+    jobs.wait()
+    assert second.get() == 2 and lazy.resolved() == {"x": 1}
+    jobs = compiling.Jobs(2)
+
+    def slow_failure():
+        time.sleep(0.1)
+        raise ZeroDivisionError("first")
+
+    def fast_failure():
+        raise KeyError("second")
+
+    jobs.submit(slow_failure)
+    jobs.submit(fast_failure)  # fails sooner, but later in plan order
+    with pytest.raises(ZeroDivisionError, match="first"):
+        jobs.wait()
