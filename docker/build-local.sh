@@ -29,7 +29,15 @@ UBUNTU_SECURITY=${UBUNTU_SECURITY:-http://security.ubuntu.com/ubuntu}
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 KEYRING_DEB=ubuntu-keyring_2021.03.26_all.deb
 KEYRING_SHA256=0d0e7ed6b112f5d03eabf3c7eb01ebdacf9c57714b279e90495cfc58c8c4520f
-DOCKER=${DOCKER:-docker}
+# Debian's client (/usr/bin/docker) builds with the daemon's built-in BuildKit; other
+# clients need the buildx plugin for DOCKER_BUILDKIT=1.
+if [ -z "${DOCKER:-}" ]; then
+  if [ -x /usr/bin/docker ] || ! docker buildx version >/dev/null 2>&1; then
+    DOCKER=/usr/bin/docker
+  else
+    DOCKER=docker
+  fi
+fi
 log() { echo "build-local: $*" >&2; }
 
 as_root() {
@@ -43,9 +51,6 @@ ensure_engine() {
     as_root apt-get update -q >&2
     as_root apt-get install -y -q docker.io >&2
   fi
-  # Debian's client speaks to the daemon's built-in BuildKit; prefer it over others.
-  if [ -x /usr/bin/docker ]; then DOCKER=/usr/bin/docker; fi
-  if "$DOCKER" info >/dev/null 2>&1; then return 0; fi
   local logfile=${DOCKERD_LOG:-/tmp/dockerd.log}
   log "starting dockerd (log: $logfile)"
   as_root nohup dockerd >"$logfile" 2>&1 &
