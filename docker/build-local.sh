@@ -5,6 +5,7 @@
 # host's CA bundle (SSL_CERT_FILE / PIP_CERT) is passed as a BuildKit secret when present.
 #
 #   docker/build-local.sh [--gpu] [--tag TAG] [--python python3.11]
+#   docker/build-local.sh --engine-only    # start the engine; print the client's path
 #
 # Progress goes to stderr; the last line on stdout is the image tag.
 set -euo pipefail
@@ -13,12 +14,14 @@ cd "$(dirname "$0")/.."
 variant=cpu
 tag=""
 python=python3.11
+engine_only=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --gpu) variant=cuda12; shift ;;
     --tag) tag=$2; shift 2 ;;
     --python) python=$2; shift 2 ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    --engine-only) engine_only=1; shift ;;
+    -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
     *) echo "build-local.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -112,6 +115,7 @@ SOURCES
 }
 
 ensure_engine
+if [ "$engine_only" = 1 ]; then command -v "$DOCKER"; exit 0; fi
 base=$(ensure_base)
 secret=()
 cert=${SSL_CERT_FILE:-${PIP_CERT:-}}
