@@ -156,3 +156,22 @@ def test_mount_owned_by_another_user_runs_as_that_user(docker, image, tmp_path):
                 image, "sh", "-c", "id -u && touch made-here"], 120)
     assert proc.stdout.split()[0] == "4321"
     assert (work / "made-here").stat().st_uid == 4321
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_gpu_image_imports_jax_and_falls_back_to_cpu(docker):
+    """Run before landing changes to the GPU recipe or its locks: `-m 'containers and slow'`."""
+    tag = "multimesh-jax:test-containers-gpu"
+    start = time.monotonic()
+    proc = run([str(ROOT / "docker" / "build-local.sh"), "--gpu", "--tag", tag], 1700)
+    assert proc.stdout.strip().splitlines()[-1] == tag
+    try:
+        size = run([docker, "image", "inspect", "-f", "{{.Size}}", tag], 60).stdout.strip()
+        print(f"built {tag} in {time.monotonic() - start:.0f} s, {int(size) / 1e9:.2f} GB")
+        code = "import jax; print(jax.default_backend(), len(jax.devices()))"
+        out = run([docker, "run", "--rm", tag, "python", "-c", code], 300).stdout.split()
+        assert out[-2:] == ["cpu", "1"]
+        run([docker, "run", "--rm", tag, "python", "-c", "import jax_plugins.xla_cuda12"], 300)
+    finally:
+        run([docker, "rmi", "-f", tag], 120, check=False)
