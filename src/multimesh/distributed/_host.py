@@ -190,22 +190,25 @@ def _peer(q: int) -> tuple[str, int]:
 
 
 def _fetch(x: jax.Array) -> np.ndarray:
-    gid = _GID.get(id(x))
-    if gid is None:
-        raise ValueError(
-            "mm.distributed.to_host: this array lives (partly) on other processes and was "
-            "not returned by an mm.jit call; use jax.experimental.multihost_utils."
-            "process_allgather (called on every process) for other arrays."
-        )
     me = jax.process_index()
     out = np.empty(x.shape, dtype=x.dtype)
     filled = np.zeros(x.shape, dtype=bool)
     for sh in x.addressable_shards:
         out[sh.index] = np.asarray(sh.data)
         filled[sh.index] = True
+    if filled.all():  # e.g. replicated over every process: the local copy is the value
+        return out
+    gid = _GID.get(id(x))
+    if gid is None:
+        raise ValueError(
+            "mm.distributed.to_host: this array lives (partly) on other processes and was "
+            "not returned by an mm.jit call (only those are served to other processes). "
+            "Pass it through one, e.g. mm.jit(lambda t: t, mesh=mmesh)(tree) on every "
+            "process, then call to_host on its result."
+        )
     owners = sorted({d.process_index for d in x.sharding.device_set} - {me})
     for q in owners:
-        if x.size and filled.all():
+        if filled.all():
             break
         with socket.create_connection(_peer(q), timeout=330) as conn:
             conn.sendall(gid.encode() + b"\n")

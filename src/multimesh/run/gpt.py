@@ -82,7 +82,11 @@ def run(ns: argparse.Namespace) -> int:
         if start >= ns.num_steps and rank0:
             print(f"multimesh-run: step {start} reached --num-steps {ns.num_steps}: nothing to do")
     every = ns.checkpoint_every or ns.num_steps
-    host_state = mm.distributed.to_host(state) if ns.compare_spmd else None
+    host_state = None
+    if ns.compare_spmd:
+        # (in multi-process runs an array is served to other processes once an mm.jit
+        # call returned it; the optimizer state was made eagerly)
+        host_state = mm.distributed.to_host(mm.jit(lambda s: s, mesh=mmesh)(state))
     f = mm.jit(step, mesh=mmesh, donate_argnums=0)
     batches = [
         synthetic_tokens(ns.batch_size, ns.sequence_length, ns.vocab_size, ns.seed + 1 + i)
