@@ -11,7 +11,7 @@ wall time of the first training step:
 
 Models: ``mlp`` (the pipeline benchmark's residual MLP: 4 stages, 8 layers, width 256,
 8 microbatches, 1F1B, SGD) and ``gpt`` (``multimesh.examples.gpt``, NNX, 4 layers on 4
-stages x 2-way data parallelism, 1F1B with 4 microbatches, AdamW). Ratios are against
+stages (2 devices each), 1F1B with 4 microbatches, AdamW). Ratios are against
 ``jax``; medians of ``--repeats`` runs, interleaved.
 
 Run:  python benchmarks/first_call.py [--quick] [--out PATH]
@@ -67,7 +67,7 @@ def child(model: str, variant: str) -> None:
 
         from multimesh.examples import gpt as G
 
-        cfg = G.Config(vocab=256, seq=32, d=64, heads=4, layers=4, stages=4, dp=True)
+        cfg = G.Config(vocab=256, seq=32, d=64, heads=4, layers=4, stages=4)
         model_ = mm.flax.create(lambda k: G.GPT(cfg, nnx.Rngs(k)), jax.random.key(0), mesh=mmesh)
         step, state = G.nnx_train_step(cfg, model_, optax.adamw(1e-3), 4, "1f1b")
         tokens = (np.arange(16 * 32).reshape(16, 32) % 256).astype(np.int32)
