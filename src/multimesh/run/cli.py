@@ -66,6 +66,13 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--mlp-dims", type=int, default=None, help="MLP width (default 4 x model dims)")
     m.add_argument("--vocab-size", type=int, default=256, help="vocabulary size")
     m.add_argument("--remat", action="store_true", help="recompute each layer in the backward")
+    m.add_argument(
+        "--maxtext-override",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="an extra MaxText config setting, e.g. dtype=float32 (repeatable; maxtext)",
+    )
     t = p.add_argument_group("training")
     t.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
     t.add_argument("--sequence-length", type=int, default=32, help="tokens per sequence")
@@ -117,6 +124,9 @@ def parser() -> argparse.ArgumentParser:
         help="write the losses, step times and settings as JSON (rank 0)",
     )
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    o.add_argument(
+        "--verbose", action="store_true", help="keep MaxText's own INFO logging (maxtext)"
+    )
     return p
 
 
@@ -144,9 +154,12 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
             f"there are {num_devices} devices (--cpus / the launcher / the GPUs)"
         )
     stages = ns.pp * ns.interleave
+    ns.num_layers_given = ns.num_layers is not None
     if ns.num_layers is None:
         ns.num_layers = stages
-    if ns.num_layers % stages:
+    # a MaxText --model-name brings its own layer count (checked when the model is built)
+    named = ns.model == "maxtext" and ns.model_name and not ns.num_layers_given
+    if ns.num_layers % stages and not named:
         p.error(
             f"--num-layers {ns.num_layers} is not divisible by --pp {ns.pp} x --interleave "
             f"{ns.interleave} = {stages}"
