@@ -226,15 +226,19 @@ def place_transformer(model: Any, num_stages: int) -> None:
 
 @contextlib.contextmanager
 def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
-    saved = [(obj, name, obj.__dict__[name] if name in vars(obj) else getattr(obj, name))
-             for obj, name, _ in patches]
+    """Set attributes for the duration of the block; put back (or delete) on exit."""
+    missing = object()
+    saved = [(obj, name, vars(obj).get(name, missing)) for obj, name, _ in patches]
     try:
         for obj, name, value in patches:
             setattr(obj, name, value)
         yield
     finally:
         for obj, name, value in reversed(saved):
-            setattr(obj, name, value)
+            if value is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
 
 
 @contextlib.contextmanager
@@ -366,7 +370,9 @@ def _microbatched_loss_and_grad(
 
     if not isinstance(model, nnx.Module):
         raise ValueError("--model maxtext: only MaxText's NNX models are supported")
-    if config.shard_optimizer_over_data or getattr(config, "use_tunix_gradient_accumulation", False):
+    if config.shard_optimizer_over_data or getattr(
+        config, "use_tunix_gradient_accumulation", False
+    ):
         raise ValueError(
             "--model maxtext --num-microbatches > 1: shard_optimizer_over_data and "
             "use_tunix_gradient_accumulation are not supported with MultiMesh pipelining"

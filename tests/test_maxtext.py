@@ -1,0 +1,108 @@
+"""multimesh-run --model maxtext: unmodified MaxText 0.2.5 pipelined on a MultiMesh trains
+with the same losses as MaxText's own unpipelined jax.jit step.
+
+Marked ``maxtext`` (excluded by default): needs Python >= 3.12 and
+``pip install -e '.[maxtext,test]'``; run with ``python -m pytest -m maxtext``. Each run is a
+subprocess (MaxText sets global JAX flags), on 8 virtual CPU devices.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.maxtext,
+    pytest.mark.skipif(
+        sys.version_info < (3, 12) or importlib.util.find_spec("maxtext") is None,
+        reason="MaxText 0.2.5 is not installed (Python >= 3.12: pip install -e '.[maxtext,test]')",
+    ),
+]
+
+# the issue's 4-layer llama2 config: emb 64, 4 heads of 16, MLP 128, vocab 256, seq 64,
+# 2 sequences per device per microbatch
+LLAMA2_TINY = [
+    "--model", "maxtext",
+    "--num-layers", "4",
+    "--model-dims", "64",
+    "--num-heads", "4",
+    "--mlp-dims", "128",
+    "--vocab-size", "256",
+    "--sequence-length", "64",
+    "--batch-size", "32",
+    "--num-microbatches", "2",
+    "--schedule", "1f1b",
+    "--num-steps", "3",
+    "--no-progress",
+    "--compare-spmd",
+]  # fmt: skip
+
+
+def run_cli(args: list[str], tmp_path: Path, timeout: int = 600) -> tuple[dict, str]:
+    metrics = tmp_path / "metrics.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "multimesh.run", "--cpus", "8", *args, "--metrics", str(metrics)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=tmp_path,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return json.loads(metrics.read_text()), out
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [("--pp", "2", "--fsdp", "2", "--tp", "2", "--dp", "1"), ("--pp", "4", "--dp", "2")],
+    ids=["pp2-fsdp2-tp2", "pp4-dp2"],
+)
+def test_maxtext_pipelined_equals_unpipelined(layout, tmp_path):
+    m, out = run_cli([*LLAMA2_TINY, *layout], tmp_path)
+    assert "largest loss difference vs SPMD" in out and "(ok" in out, out[-3000:]
+    assert len(m["losses"]) == 3 and len(m["reference_losses"]) == 3
+    for got, want in zip(m["losses"], m["reference_losses"]):
+        assert abs(got - want) <= 1e-5, (m["losses"], m["reference_losses"])
+    assert m["losses"][-1] < m["losses"][0]  # it trains
+
+
+def test_hook_points_exist():
+    """Fails loudly, naming the hook point, if another MaxText moved one."""
+    from multimesh.run import maxtext as mt
+
+    mt.check_hooks()
+    assert mt.maxtext_version() == mt.SUPPORTED_VERSION
+
+
+def test_missing_hook_point_is_named(monkeypatch):
+    from multimesh.run import maxtext as mt
+
+    monkeypatch.setattr(mt, "HOOK_POINTS", (*mt.HOOK_POINTS, (mt.TRAIN_UTILS, "no_such_hook")))
+    with pytest.raises(mt.HookError, match=r"maxtext\.utils\.train_utils\.no_such_hook.*0\.2\.5"):
+        mt.check_hooks()
+
+
+def test_hooks_restore_maxtext():
+    """The run-time patches are undone on exit, even after an error."""
+    import argparse
+    import importlib
+
+    from multimesh.run import maxtext as mt
+
+    mods = {m: importlib.import_module(m) for m, _ in mt.HOOK_POINTS}
+    before = {(m, a): getattr(mods[m], a) for m, a in mt.HOOK_POINTS}
+    init = mods[mt.MODELS].Transformer.__init__
+    ns = argparse.Namespace(pp=2, interleave=1, schedule="1f1b")
+    with pytest.raises(RuntimeError, match="boom"):
+        with mt.hooks(ns, mt.Record(), pipelined=True):
+            assert mods[mt.TRAIN_UTILS].jit_train_step is not before[(mt.TRAIN_UTILS, "jit_train_step")]
+            raise RuntimeError("boom")
+    assert {(m, a): getattr(mods[m], a) for m, a in mt.HOOK_POINTS} == before
+    assert mods[mt.MODELS].Transformer.__init__ is init
