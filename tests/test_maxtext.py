@@ -102,7 +102,27 @@ def test_hooks_restore_maxtext():
     ns = argparse.Namespace(pp=2, interleave=1, schedule="1f1b")
     with pytest.raises(RuntimeError, match="boom"):
         with mt.hooks(ns, mt.Record(), pipelined=True):
-            assert mods[mt.TRAIN_UTILS].jit_train_step is not before[(mt.TRAIN_UTILS, "jit_train_step")]
+            assert (
+                mods[mt.TRAIN_UTILS].jit_train_step
+                is not before[(mt.TRAIN_UTILS, "jit_train_step")]
+            )
             raise RuntimeError("boom")
     assert {(m, a): getattr(mods[m], a) for m, a in mt.HOOK_POINTS} == before
     assert mods[mt.MODELS].Transformer.__init__ is init
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dump", "/tmp/x"], "--dump is not supported with --model maxtext"),
+        (["--checkpoint-dir", "/tmp/x", "--resume"], "--resume is not supported with --model"),
+    ],
+)
+def test_maxtext_flag_errors(args, message, capsys):
+    from multimesh.run import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--model", "maxtext", "--pp", "2", "--dp", "4", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in err, err

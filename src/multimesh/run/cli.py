@@ -197,6 +197,19 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
         p.error("--max-to-keep must be at least 1")
     if ns.model == "maxtext" and sys.version_info < (3, 12):
         p.error("--model maxtext needs Python >= 3.12 (MaxText 0.2.5)")
+    if ns.model == "maxtext":
+        validate_maxtext(ns, p)
+
+
+def validate_maxtext(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """What ``--model maxtext`` does not support (yet), as one-line errors."""
+    for flag, given in (
+        ("--dump", ns.dump),
+        ("--resume", ns.resume),
+        ("--checkpoint-every", ns.checkpoint_every is not None),
+    ):
+        if given:
+            p.error(f"{flag} is not supported with --model maxtext yet")
 
 
 def setup_backend(ns: argparse.Namespace) -> bool:

@@ -453,18 +453,7 @@ def run(ns: argparse.Namespace) -> int:
     from multimesh.run import report
 
     rank0 = jax.process_index() == 0
-    if ns.dump:
-        raise SystemExit("multimesh-run: --dump is not supported with --model maxtext yet")
-    if ns.resume or ns.checkpoint_every is not None:
-        raise SystemExit(
-            "multimesh-run: --resume / --checkpoint-every are not supported with --model "
-            "maxtext yet (MaxText's own checkpointing: --checkpoint-dir)"
-        )
-    check_hooks()
-    try:
-        per_device_batch(ns, jax.device_count())
-    except ValueError as e:
-        raise SystemExit(f"multimesh-run: {e}") from None
+    check_hooks()  # cli.validate_maxtext has checked the flags
     model = ns.model_name or (
         f"llama2-style {ns.num_layers} layers x {ns.model_dims} wide, {ns.num_heads} heads"
     )
