@@ -116,6 +116,7 @@ def test_hooks_restore_maxtext():
     [
         (["--dump", "/tmp/x"], "--dump is not supported with --model maxtext"),
         (["--checkpoint-dir", "/tmp/x", "--resume"], "--resume is not supported with --model"),
+        (["--maxtext-override", "dtype"], "--maxtext-override 'dtype': expected KEY=VALUE"),
     ],
 )
 def test_maxtext_flag_errors(args, message, capsys):

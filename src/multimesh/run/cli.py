@@ -210,6 +210,9 @@ def validate_maxtext(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None
     ):
         if given:
             p.error(f"{flag} is not supported with --model maxtext yet")
+    for kv in ns.maxtext_override or ():
+        if "=" not in kv or kv.startswith("="):
+            p.error(f"--maxtext-override {kv!r}: expected KEY=VALUE, e.g. dtype=float32")
 
 
 def setup_backend(ns: argparse.Namespace) -> bool:

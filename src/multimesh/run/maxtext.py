@@ -127,9 +127,11 @@ def overrides(
         # multimesh.distributed.initialize() already joined any multi-process job
         "skip_jax_distributed_system": True,
         "dataset_type": "synthetic",
-        "enable_checkpointing": bool(ns.checkpoint_dir),
+        # MaxText's own checkpointing (orbax) under --checkpoint-dir; never for the reference
+        "enable_checkpointing": bool(ns.checkpoint_dir) and pipelined,
         "steps": ns.num_steps,
         "scan_layers": False,
+        "max_target_length": ns.sequence_length,
         "per_device_batch_size": per_device_batch(ns, ndev),
         "gradient_accumulation_steps": ns.num_microbatches,
         "learning_rate": ns.learning_rate,
@@ -141,8 +143,8 @@ def overrides(
         "ici_fsdp_parallelism": ns.fsdp,
         "ici_tensor_parallelism": ns.tp,
     }
-    if ns.checkpoint_dir:
-        o["checkpoint_dir"] = ns.checkpoint_dir
+    if ns.checkpoint_dir and pipelined:
+        o["base_output_directory"] = ns.checkpoint_dir  # MaxText: <dir>/<run_name>/checkpoints
     o["remat_policy"] = "full" if ns.remat else "none"
     if ns.model_name:
         o["model_name"] = ns.model_name
@@ -160,7 +162,6 @@ def overrides(
             base_mlp_dim=mlp,
             head_dim=ns.model_dims // ns.num_heads,
             vocab_size=ns.vocab_size,
-            max_target_length=ns.sequence_length,
         )
     if ns.backend == "cpu":
         o["attention"] = "dot_product"
@@ -168,9 +169,7 @@ def overrides(
         # activations differ by ~1e-4 between shardings); --maxtext-override dtype=... wins
         o["dtype"] = "float32"
     for kv in ns.maxtext_override or ():
-        k, sep, v = kv.partition("=")
-        if not sep:
-            raise ValueError(f"--maxtext-override {kv!r}: expected KEY=VALUE")
+        k, _, v = kv.partition("=")  # cli.validate_maxtext checked the form
         o[k] = v
     return o
 
