@@ -210,6 +210,13 @@ def validate_maxtext(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None
     ):
         if given:
             p.error(f"{flag} is not supported with --model maxtext yet")
+    import jax
+
+    if jax.process_count() > 1:
+        p.error(
+            f"--model maxtext runs in one process for now ({jax.process_count()} processes "
+            "found); use one process with all devices"
+        )
     for kv in ns.maxtext_override or ():
         if "=" not in kv or kv.startswith("="):
             p.error(f"--maxtext-override {kv!r}: expected KEY=VALUE, e.g. dtype=float32")

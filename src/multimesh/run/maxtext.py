@@ -323,13 +323,14 @@ def hooks(ns: argparse.Namespace, record: Record, *, pipelined: bool) -> Iterato
             )
             # out_shardings=None: the new state stays on the stages that own it (MaxText's
             # global-mesh shardings would copy every parameter to every stage each step)
-            record.step_fn = mm.jit(
+            step = mm.jit(
                 fn,
                 mesh=record.mmesh,
                 in_shardings=in_sh,
                 static_argnums=static,
                 donate_argnums=donate,
             )
+            record.step_fn = step
             return record.step_fn
 
         def gradient_accumulation_loss_and_grad(
