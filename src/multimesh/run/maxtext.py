@@ -189,6 +189,7 @@ class Record:
     losses: list[float] = dataclasses.field(default_factory=list)
     step_times: list[float] = dataclasses.field(default_factory=list)
     config: Any = None
+    first_step: int | None = None  # MaxText's start step (> 0 after restoring a checkpoint)
     mmesh: Any = None
     step_fn: Any = None
     on_step: Callable[[int, float, float], None] | None = None
@@ -271,6 +272,8 @@ def hooks(ns: argparse.Namespace, record: Record, *, pipelined: bool) -> Iterato
 
     def training_loop_iteration(jax_device_state: Any, python_vars: Any, immutable: Any) -> Any:
         record.config = immutable["config"]
+        if record.first_step is None:
+            record.first_step = int(python_vars["step"])
         t0 = time.perf_counter()
         metrics = orig_iteration(jax_device_state, python_vars, immutable)
         loss = float(mm.distributed.to_host(metrics["scalar"]["learning/loss"]))
@@ -331,7 +334,7 @@ def hooks(ns: argparse.Namespace, record: Record, *, pipelined: bool) -> Iterato
                 donate_argnums=donate,
             )
             record.step_fn = step
-            return record.step_fn
+            return step
 
         def gradient_accumulation_loss_and_grad(
             _loss_fn: Any,
@@ -486,8 +489,8 @@ def run(ns: argparse.Namespace) -> int:
     code = 0
     ref_losses: list[float] = []
     if ns.compare_spmd:
-        ref = train_once(ns, pipelined=False)
-        ref_losses = ref.losses
+        ref = train_once(ns, pipelined=False)  # from step 0, without checkpoints
+        ref_losses = ref.losses[rec.first_step or 0 :]
         if len(ref_losses) != len(rec.losses):
             raise RuntimeError(
                 f"the jax.jit reference ran {len(ref_losses)} steps, MultiMesh {len(rec.losses)}"
@@ -508,7 +511,7 @@ def run(ns: argparse.Namespace) -> int:
         with open(ns.metrics, "w") as fh:
             json.dump(
                 {
-                    "first_step": 0,
+                    "first_step": rec.first_step or 0,
                     "losses": rec.losses,
                     "reference_losses": ref_losses or None,
                     "step_times_s": rec.step_times,
