@@ -15,7 +15,9 @@ are replaced at run time (and restored on exit):
   (``mm.flax.task``; needs ``scan_layers=False``).
 - ``maxtext.utils.train_utils.jit_train_step``: returns ``mm.jit`` of MaxText's
   functional train step (its ``lower().compile()``, ``memory_analysis()`` and calls under
-  ``jax.set_mesh`` work unchanged); the new state stays on the stages that own it.
+  ``jax.set_mesh`` work unchanged); the new state stays on the stages that own it, and
+  MaxText's initial state (replicated over the stages) is first copied to its owners, so
+  one compiled program serves every step.
 - ``maxtext.trainers.pre_train.train.gradient_accumulation_loss_and_grad``: MaxText's
   ``lax.scan`` gradient accumulation becomes ``mm.microbatch`` with the same microbatches,
   loss normalisation and gradient scaling, ordered by ``--schedule``.
@@ -29,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -224,6 +227,72 @@ def place_transformer(model: Any, num_stages: int) -> None:
             mmflax.task(mod, stage=last, name=name)
 
 
+_OWNER = re.compile(r"^(layers_(\d+)|token_embedder|decoder_norm|logits_dense)$")
+
+
+def _leaf_stage(path: Any, num_stages: int, num_layers: int) -> int | None:
+    for k in path:
+        name = str(getattr(k, "key", getattr(k, "name", k)))
+        m = _OWNER.match(name)
+        if m is None:
+            continue
+        if m.group(2) is not None:
+            return stage_of_layer(int(m.group(2)), num_layers, num_stages)
+        return 0 if name == "token_embedder" else num_stages - 1
+    return None
+
+
+class _PlacedStep:
+    """The train step, with MaxText's initial state (replicated over the stages) first
+    copied to the stages that own each leaf, so the first call and the later ones (fed the
+    step's own stage-local outputs) use one program."""
+
+    def __init__(self, step: Any, mmesh: Any, num_stages: int, num_layers: int) -> None:
+        self._step, self._mmesh = step, mmesh
+        self._stages, self._layers = num_stages, num_layers
+        self._pending: tuple[Any, Any] | None = None
+
+    def _place(self, state: Any) -> Any:
+        import multimesh as mm
+
+        if self._pending is not None and self._pending[0] is state:
+            return self._pending[1]
+        flat, tree = jax.tree_util.tree_flatten_with_path(state)
+        stages = [_leaf_stage(p, self._stages, self._layers) for p, _ in flat]
+        specs = [getattr(getattr(x, "sharding", None), "spec", None) for _, x in flat]
+
+        def place(leaves: list[Any]) -> list[Any]:
+            out = []
+            for x, st, spec in zip(leaves, stages, specs):
+                if st is None or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+                    out.append(x)
+                    continue
+
+                def copy(y: Any, spec: Any = spec) -> Any:
+                    y = y + 0
+                    return y if spec is None else jax.lax.with_sharding_constraint(y, spec)
+
+                out.append(mm.task("place", stage=st % self._mmesh.num_stages)(copy)(x))
+            return out
+
+        placed = mm.jit(place, mesh=self._mmesh)([x for _, x in flat])
+        new = jax.tree_util.tree_unflatten(tree, placed)
+        self._pending = (state, new)
+        return new
+
+    def lower(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._step.lower(self._place(state), *args, **kwargs)
+
+    def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._pending is not None:
+            state = self._place(state) if self._pending[0] is state else state
+            self._pending = None
+        return self._step(state, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._step, name)
+
+
 @contextlib.contextmanager
 def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
     """Set attributes for the duration of the block; put back (or delete) on exit."""
@@ -333,8 +402,13 @@ def hooks(ns: argparse.Namespace, record: Record, *, pipelined: bool) -> Iterato
                 static_argnums=static,
                 donate_argnums=donate,
             )
-            record.step_fn = step
-            return step
+            # MaxText builds its state replicated over the stages; copying it to the owning
+            # stages first lets every call (the first, fed that state, and the later ones,
+            # fed the step's stage-local outputs) use one compiled program
+            record.step_fn = _PlacedStep(
+                step, record.mmesh, num_stages, int(config.num_decoder_layers)
+            )
+            return record.step_fn
 
         def gradient_accumulation_loss_and_grad(
             _loss_fn: Any,
