@@ -116,6 +116,7 @@ def test_hooks_restore_maxtext():
     [
         (["--dump", "/tmp/x"], "--dump is not supported with --model maxtext"),
         (["--checkpoint-dir", "/tmp/x", "--resume"], "--resume is not supported with --model"),
+        (["--compare-spmd", "--checkpoint-dir", "/tmp/x"], "--compare-spmd and --checkpoint-dir"),
         (["--maxtext-override", "dtype"], "--maxtext-override 'dtype': expected KEY=VALUE"),
     ],
 )

@@ -217,6 +217,10 @@ def validate_maxtext(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None
             f"--model maxtext runs in one process for now ({jax.process_count()} processes "
             "found); use one process with all devices"
         )
+    if ns.compare_spmd and ns.checkpoint_dir:
+        # MaxText resumes from DIR, and its learning-rate schedule spans the saving run's
+        # steps: a fresh jax.jit reference would not train the same steps
+        p.error("--compare-spmd and --checkpoint-dir cannot be combined with --model maxtext")
     for kv in ns.maxtext_override or ():
         if "=" not in kv or kv.startswith("="):
             p.error(f"--maxtext-override {kv!r}: expected KEY=VALUE, e.g. dtype=float32")

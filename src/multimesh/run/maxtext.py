@@ -563,8 +563,7 @@ def run(ns: argparse.Namespace) -> int:
     code = 0
     ref_losses: list[float] = []
     if ns.compare_spmd:
-        ref = train_once(ns, pipelined=False)  # from step 0, without checkpoints
-        ref_losses = ref.losses[rec.first_step or 0 :]
+        ref_losses = train_once(ns, pipelined=False).losses
         if len(ref_losses) != len(rec.losses):
             raise RuntimeError(
                 f"the jax.jit reference ran {len(ref_losses)} steps, MultiMesh {len(rec.losses)}"
