@@ -2,7 +2,7 @@
 # Regenerate the hash-locked requirements the container images install with --require-hashes:
 #   docker/requirements/{cpu,cuda12}-py{3.11,3.12}.txt   (Linux x86_64)
 # from pyproject.toml's dependencies and extras (cpu: run,docs,test; cuda12: run,docs,checkpoint
-# plus docker/requirements/cuda12.in) and docker/requirements/build.in.
+# maxtext plus docker/requirements/cuda12.in) and docker/requirements/build.in.
 #
 #   pip install uv && scripts/lock.sh          # then commit docker/requirements/
 #
@@ -20,7 +20,7 @@ for py in 3.11 3.12; do
       extras+=(--extra test)
     else
       sources+=("$req/cuda12.in")
-      extras+=(--extra checkpoint)
+      extras+=(--extra checkpoint --extra maxtext)
     fi
     uv pip compile "${sources[@]}" "${extras[@]}" \
       --python-version "$py" --python-platform x86_64-manylinux_2_28 \

@@ -14,7 +14,7 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[1]
 REQ = ROOT / "docker" / "requirements"
 # the extras each image variant installs (as in scripts/lock.sh) and its extra inputs
-VARIANTS = {"cpu": (("run", "docs", "test"), ()), "cuda12": (("run", "docs", "checkpoint"), ("cuda12.in",))}
+VARIANTS = {"cpu": (("run", "docs", "test"), ()), "cuda12": (("run", "docs", "checkpoint", "maxtext"), ("cuda12.in",))}
 PYTHONS = ("3.11", "3.12")
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^ \\;]+)")
 LOCKS = [(v, py) for v in VARIANTS for py in PYTHONS]
