@@ -29,6 +29,7 @@ from multimesh.runtime.inputs import InputInfo
 _compat.register_exclusion(__file__)
 
 _RUN, _CALL, _LATER = 0, 1, 2
+_CALLS: dict[int, int] = {}  # calls so far per plan (multi-process ids)
 
 
 def _resolved_step(st: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -489,7 +490,10 @@ class Executable:
         return outs
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
-        self._calls += 1
+        # numbered per plan, not per executor: two executors of one plan (the same
+        # function jitted twice, or a variant for other input placements) never reuse a
+        # (program, call) pair naming cross-process transfers and to_host outputs
+        self._calls = _CALLS[self._uid] = _CALLS.get(self._uid, 0) + 1
         env = list(self._template)
         for code, fn, ins, outs, free in self._steps:
             if code == _RUN:
