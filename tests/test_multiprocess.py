@@ -94,6 +94,7 @@ def test_two_processes_match_one(baseline, tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(1300)  # 8 processes share the cores: minutes on a loaded machine
 @pytest.mark.parametrize("layout", [(2, 4), (4, 2), (8, 1)], ids=["2x4", "4x2", "8x1"])
 def test_every_program_and_schedule(layout, baseline, tmp_path):
     proc = launch(*layout, str(tmp_path / "r.npz"), "all", timeout=1200)
