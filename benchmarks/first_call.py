@@ -9,7 +9,7 @@ wall time of the first training step:
 * ``mm_cached``: ``mm.jit`` in a second process sharing JAX's persistent compilation
   cache (``jax_compilation_cache_dir``) with a first one.
 
-Models: ``mlp`` (the pipeline benchmark's residual MLP: 4 stages, 8 layers, width 256,
+Models: ``mlp`` (the multi-process benchmark's residual MLP: 4 stages, 8 layers, width 256,
 8 microbatches, 1F1B, SGD) and ``gpt`` (``multimesh.examples.gpt``, NNX, 4 layers on 4
 stages (2 devices each), 1F1B with 4 microbatches, AdamW). Ratios are against
 ``jax``; medians of ``--repeats`` runs, interleaved.
@@ -44,23 +44,9 @@ def child(model: str, variant: str) -> None:
 
     mmesh = mm.make_mesh((4, 2), ("stage", "data"))
     if model == "mlp":
-        h_dim, m = 256, 8
+        from multiprocess import mlp_step  # the same model as the multi-process benchmark
 
-        def loss(ws, x, y):
-            h = x
-            for i, w in enumerate(ws):
-                with mm.task(f"s{i // 2}", stage=i // 2):
-                    h = h + jnp.tanh(h @ w)
-            return jnp.mean((h - y) ** 2)
-
-        def step(ws, x, y):
-            grad = mm.microbatch(jax.value_and_grad(loss), m, argnums=(1, 2), reduce="mean")
-            v, g = grad(ws, x, y)
-            return [w - 0.01 * d for w, d in zip(ws, g)], v
-
-        rng = np.random.default_rng(0)
-        ws = [rng.normal(size=(h_dim, h_dim)).astype(np.float32) / 16 for _ in range(8)]
-        args = (ws, np.ones((64, h_dim), np.float32), np.zeros((64, h_dim), np.float32))
+        step, *args = mlp_step(mm, jax, jnp, np)
     else:
         import optax
         from flax import nnx

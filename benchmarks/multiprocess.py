@@ -33,7 +33,8 @@ HERE = Path(__file__).resolve()
 WIDTH, LAYERS, STAGES, M, BATCH = 256, 8, 4, 8, 64
 
 
-def step_program(mm: Any, jax: Any, jnp: Any, np: Any, mesh: Any):
+def mlp_step(mm: Any, jax: Any, jnp: Any, np: Any):
+    """The 4-stage 1F1B residual-MLP training step (unjitted) and its inputs."""
     def loss(ws, x, y):
         h = x
         for i, w in enumerate(ws):
@@ -50,7 +51,12 @@ def step_program(mm: Any, jax: Any, jnp: Any, np: Any, mesh: Any):
     rng = np.random.default_rng(0)
     ws = [rng.normal(size=(WIDTH, WIDTH)).astype(np.float32) / WIDTH**0.5 for _ in range(LAYERS)]
     x = rng.normal(size=(BATCH, WIDTH)).astype(np.float32)
-    return mm.jit(step, mesh=mesh), ws, x, np.sin(x)
+    return step, ws, x, np.sin(x)
+
+
+def step_program(mm: Any, jax: Any, jnp: Any, np: Any, mesh: Any):
+    step, ws, x, y = mlp_step(mm, jax, jnp, np)
+    return mm.jit(step, mesh=mesh), ws, x, y
 
 
 def time_steps(f, ws, x, y, jax, steps: int) -> list[float]:
