@@ -38,8 +38,7 @@ def _resolved_step(st: tuple[Any, ...]) -> tuple[Any, ...]:
     if code == _RUN:
         return (code, compiling.resolve(fn), ins, outs, free)
     if code == _LATER:
-        step = fn.get()[0]
-        return (*step[:4], free or step[4])
+        return (*fn.get()[0][:4], free)
     return st
 
 
@@ -220,16 +219,14 @@ class Executable:
                     later = jobs.submit(lambda st=st: self._transfer_step(st, targets, slot_sh))
                     for _src, dst, *_ in st.items:
                         slot_sh[dst] = later.derive(lambda r, dst=dst: r[1][dst])
-                    steps.append((_LATER, later, (), (), tuple(st.free)))
-                    owned.update(dst for _src, dst, *_ in st.items)
-                    continue
+                    steps.append((_LATER, later, (), (), ()))
                 else:
                     run = crossproc.transfer_step(
                         st.items, targets, slot_sh, loc, self._uid_base, step_no
                     )
                     steps.append((_CALL, run, (), (), ()))
                 owned.update(dst for _src, dst, *_ in st.items)
-            if st.free and steps[-1][0] == _CALL:
+            if st.free and steps[-1][0] in (_CALL, _LATER):
                 steps[-1] = (*steps[-1][:4], tuple(st.free))
         jobs.wait()
         slot_sh = slot_sh.resolved()
