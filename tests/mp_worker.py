@@ -133,6 +133,58 @@ def check_fed_back_plan(f, state, x, y, bytes_per_param: int) -> None:
     assert not moved, f"process {jax.process_index()}: parameters move: {moved}"
 
 
+def replicated_outputs_and_keys() -> None:
+    """Outputs replicated over every submesh (MaxText's metrics) and PRNG keys passed
+    through keep one committed global sharding on every process, and feed back in."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mmesh = mm.make_mesh((2, 4), ("stage", "data"))
+    rep = NamedSharding(mmesh.mesh, PartitionSpec())
+
+    def f(x, key):
+        with mm.task("a", stage=0):
+            y = jnp.sin(x) * 2
+        with mm.task("b", stage=1):
+            m = {"sum": (y * y).sum(), "mean": y.mean()}
+        return y, m, key
+
+    g = mm.jit(f, mesh=mmesh, out_shardings=(None, rep, None))
+    key = jax.jit(lambda: jax.random.key(7), out_shardings=rep)()
+    x = np.arange(8.0, dtype=np.float32)
+    for i in range(3):
+        _, m, key = g(x + i, key)  # the key output is fed back: the same plan everywhere
+        want = np.sin(x + i) * 2
+        for name, v in [("sum", (want * want).sum()), ("mean", want.mean())]:
+            a = m[name]
+            assert a.sharding == rep and a.is_fully_replicated, (name, a.sharding)
+            assert len(a.addressable_shards) == 8 // jax.process_count(), name
+            for sh in a.addressable_shards:
+                np.testing.assert_allclose(np.asarray(sh.data), v, rtol=1e-6, err_msg=name)
+        # passed through from stage 0's copy: committed there on every process (not to a
+        # process's default device, which would make the next call's plan differ)
+        assert key.committed and {d.id for d in key.sharding.device_set} == {0, 1, 2, 3}
+    if jax.process_index() == 0:  # stage 0's devices are process 0's
+        got = np.asarray(jax.random.key_data(key).addressable_shards[0].data)
+        assert (got == np.asarray(jax.random.key_data(jax.random.key(7)))).all()
+    else:
+        assert not key.addressable_shards
+    print("replicated outputs ok", flush=True)
+
+
+def mismatched_placement() -> None:
+    """Process 0 passes a host value, process 1 an array committed to stage 1: the plans
+    differ, which must be a clear error (not a hang in unpaired transfers)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mmesh = mm.make_mesh((2, 4), ("stage", "data"))
+    x = np.ones(8, np.float32)
+    if jax.process_index() == 1:
+        devs = np.asarray(mmesh.mesh.devices)[1]
+        x = jax.device_put(x, NamedSharding(jax.sharding.Mesh(devs, ("data",)), PartitionSpec()))
+    f = mm.jit(lambda v: mm.task(lambda u: u * 2, name="t", stage=0)(v), mesh=mmesh)
+    f(x)
+
+
 def main() -> None:
     out = sys.argv[1]
     which = sys.argv[2] if len(sys.argv) > 2 else "all"
@@ -153,6 +205,8 @@ def main() -> None:
         programs = [("mlp-1f1b", mlp_program, "1f1b")]
     if which in ("ckpt-save", "ckpt-resume"):
         programs = [(which, lambda d: checkpoint_program(d, which == "ckpt-resume"), sys.argv[3])]
+    if which == "mismatch":
+        mismatched_placement()
     if which == "layout":  # a submesh split over processes that hold another one too
         mmesh = mm.make_mesh((3, 2), ("stage", "data"))
         mm.jit(lambda x: mm.task(lambda v: v * 2, name="t", stage=1)(x), mesh=mmesh)(
@@ -166,6 +220,8 @@ def main() -> None:
             results[f"{name}/leaf{k}"] = leaf
     if jax.process_index() == 0:
         np.savez(out, **results)
+    if which == "quick":
+        replicated_outputs_and_keys()
     if which == "quick" and jax.process_index() == 0:
         # one-sided: only this process asks, wherever the value lives
         f = mm.jit(

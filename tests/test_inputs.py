@@ -81,6 +81,27 @@ def test_prng_keys_in_and_out(mesh4x2):
         )
 
 
+def test_passed_through_key_keeps_its_committed_sharding(mesh4x2):
+    """A PRNG key returned unchanged is a fresh array on the same committed sharding (as
+    jax.jit), not an uncommitted copy on the default device: fed back, it plans the same."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def f(x, key):
+        with mm.task("a", stage=0):
+            y = x + jax.random.uniform(key, x.shape)
+        return y, key
+
+    g = mm.jit(f, mesh=mesh4x2)
+    stage1 = NamedSharding(mesh4x2.submesh(1), PartitionSpec())
+    key = jax.device_put(jax.random.key(3), stage1)
+    y, k2 = g(jnp.zeros(3), key)
+    assert k2 is not key and k2.committed and k2.sharding == key.sharding
+    np.testing.assert_array_equal(jax.random.key_data(k2), jax.random.key_data(key))
+    _, k3 = g(jnp.zeros(3), k2)
+    assert g._cache_size() == 1 and k3.sharding == key.sharding
+    assert_close(y, reference(f, mesh4x2, jnp.zeros(3), jax.random.key(3))[0])
+
+
 def test_donate_argnums(mesh4x2):
     def step(w, x):
         with mm.task("a", stage=0):

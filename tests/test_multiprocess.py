@@ -91,6 +91,19 @@ def test_two_processes_match_one(baseline, tmp_path):
     assert "[rank 0] pid" in proc.stdout and "[rank 1] pid" in proc.stdout
     assert_same(results(tmp_path / "r.npz"), baseline("quick"))
     assert re.search(r"\[rank 0\] one-sided 28\.0", proc.stdout), proc.stdout[-2000:]
+    # outputs replicated over every submesh, and a PRNG key passed through and fed back
+    assert proc.stdout.count("replicated outputs ok") == 2, proc.stdout[-2000:]
+
+
+def test_processes_that_plan_differently_get_a_clear_error(tmp_path):
+    """One process passes a host array, the other an array committed to a submesh: the
+    plans differ, which both processes report (naming the argument) instead of hanging
+    in transfers that never pair up."""
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "mismatch", timeout=240)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "built different plans" in text and "v: here" in text, text[-3000:]
+    assert "uncommitted (placed by the plan)" in text, text[-3000:]
 
 
 @pytest.mark.multiprocess

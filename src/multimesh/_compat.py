@@ -185,7 +185,7 @@ def fresh_copy(xs: Sequence[jax.Array]) -> list[jax.Array]:
             out[k] = c
     for k, x in enumerate(xs):
         if out[k] is x:  # PRNG keys: no shard-wise copy of extended dtypes
-            out[k] = jax.device_put(x, may_alias=False)
+            out[k] = jax.device_put(x, x.sharding, may_alias=False)
     return out
 
 

@@ -282,6 +282,8 @@ class MpmdFunction:
                 if compiled is None:
                     for c in self._variants.get(_abstract(key), ()):
                         if c.accepts(keys):
+                            # other processes must pick this program too
+                            c._check_same_plan()
                             compiled = c
                             self._cache[key] = c
                             break

@@ -88,8 +88,11 @@ def _handler() -> Any:
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
-def _accept_mpmd_arrays() -> None:
-    """Let Orbax save arrays that live entirely on one process's devices.
+def accept_mpmd_arrays() -> None:
+    """Let Orbax save arrays that live entirely on one process's devices (``save`` and
+    ``CheckpointManager`` call this; call it yourself before saving MPMD state with your
+    own Orbax ``CheckpointManager``, as ``multimesh-run --model maxtext`` does for
+    MaxText's).
 
     In a multi-process run Orbax refuses arrays that are fully addressable on the saving
     process (it takes them for ``pmap``-style host-local arrays). Under MPMD such an array
@@ -110,10 +113,17 @@ def _accept_mpmd_arrays() -> None:
     if isinstance(mod.jax, _OneProcessView):
         return
     mod.jax = _OneProcessView(jax)
-    # an array with no shard on this process: nothing for this process to write
+    # an array with no shard on this process: nothing for this process to write; and
+    # whole-shard writes only (no replica-parallel slicing), so a process holding none of
+    # an array records the same chunk shape as the process that writes it (a caller's
+    # own handler, e.g. MaxText's, may ask for replica-parallel writes)
     original = rs.get_replica_slices
 
-    def get_replica_slices(arr: Any, *args: Any, **kwargs: Any) -> Any:
+    def get_replica_slices(
+        arr: Any, replica_id: Any, use_replica_parallel: bool = False, *args: Any, **kwargs: Any
+    ) -> Any:
+        del use_replica_parallel
+        args = (replica_id, False, *args)
         if not arr.addressable_shards:
             return rs.ReplicaSlices(
                 global_shape=arr.shape,
@@ -129,7 +139,7 @@ def _accept_mpmd_arrays() -> None:
 
 
 class _OneProcessView:
-    """``jax`` with ``process_count() == 1`` (see :func:`_accept_mpmd_arrays`)."""
+    """``jax`` with ``process_count() == 1`` (see :func:`accept_mpmd_arrays`)."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
@@ -248,7 +258,7 @@ def save(
     the checkpoint's metadata. ``force=True`` replaces an existing checkpoint."""
     ocp = _ocp()
     path = Path(path).absolute()
-    _accept_mpmd_arrays()
+    accept_mpmd_arrays()
     with ocp.Checkpointer(_handler()) as ck:
         ck.save(path, args=ocp.args.PyTreeSave(state), force=force, custom_metadata={"step": step})
 
@@ -303,7 +313,7 @@ class CheckpointManager:
         """Start saving ``state`` as ``step`` (returns at once when asynchronous; the
         arrays are copied first, so training may go on and donate them). Returns
         whether a save happened (``save_interval_steps``)."""
-        _accept_mpmd_arrays()
+        accept_mpmd_arrays()
         return bool(self._m.save(step, args=self._ocp.args.PyTreeSave(state), force=force))
 
     def latest_step(self) -> int | None:

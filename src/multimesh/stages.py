@@ -118,6 +118,17 @@ class Lowered:
             text += "\ntask_rules placed scopes:\n" + "\n".join(rows)
         return text
 
+    def _plan_signature(self) -> tuple[int, list[str]]:
+        """This plan's hash and where each flat argument sits in it (compared between
+        processes before anything runs)."""
+        where = [
+            "uncommitted (placed by the plan)"
+            if ii.mode == "put"
+            else f"{ii.mode} on submesh(es) {sorted(ii.loc or ())}"
+            for ii in self.input_infos
+        ]
+        return _compat.stable_hash(self.plan.as_text()), where
+
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
         """Compile every fragment with XLA for its submesh (``compiler_options`` are
         passed to each fragment's compilation, as ``jax.stages.Lowered.compile`` does).
@@ -126,6 +137,7 @@ class Lowered:
         mmesh = fn.multimesh
         labels = self._labels
         put_sh = fn._put_shardings(labels, self._call, self._flat)
+        _check_same_plan(fn, self._call, self._plan_signature())
         exe = Executable(
             self._prog,
             labels,
@@ -147,6 +159,22 @@ class Lowered:
         return compiled
 
 
+def _check_same_plan(fn: MpmdFunction, call: Any, signature: tuple[int, list[str]]) -> None:
+    """Multi-process: every process must run the same plan for the call at hand (its
+    transfers pair up by plan); else a clear error naming the arguments placed
+    differently, instead of a hang. A no-op in one process."""
+    if jax.process_count() == 1:
+        return
+    from multimesh.runtime import crossproc
+
+    loc = crossproc.locality()
+    assert loc is not None
+    uid, where = signature
+    crossproc.check_same_plan(
+        loc, uid, where, fn._signature.leaf_names(call), f"mm.jit of {fn._fun_name!r}"
+    )
+
+
 class Compiled:
     """A compiled MPMD program: call it with the lowered function's non-static
     arguments (as ``jax.stages.Compiled`` is called)."""
@@ -162,8 +190,10 @@ class Compiled:
         self._leaf_keys = [leaf_key(x) for x in lowered._flat]
         self._names: list[str] | None = None
         self._ndims = [len(k[0]) if len(k) > 1 else 0 for k in self._leaf_keys]
+        self._signature = lowered._plan_signature()
 
-    # -- calling ----------------------------------------------------------------------
+    def _check_same_plan(self) -> None:
+        _check_same_plan(self._fn, self._call, self._signature)
 
     def _arg_names(self) -> list[str]:
         if self._names is None:
@@ -181,6 +211,8 @@ class Compiled:
                 continue
             if not _same_sharding(sh, homes[i], self._ndims[i]):
                 return False
+            if not (sh.is_fully_addressable or i in self._exe.in_place):
+                return False  # other processes hold parts of it: it cannot be put here
         return True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -201,6 +233,18 @@ class Compiled:
         homes = self._exe.homes
         for i, k in enumerate(keys):
             sh = k[3] if len(k) > 3 else None
+            if (
+                sh is not None
+                and i in homes
+                and not sh.is_fully_addressable
+                and i not in self._exe.in_place
+            ):
+                raise ValueError(
+                    f"argument {names[i]} is placed as {sh}, across processes, but this "
+                    "program was compiled for it uncommitted (put by the plan); compile "
+                    "for this placement (call the mm.jit function, or lower it with this "
+                    "argument) instead."
+                )
             if sh is not None and i in homes and not _same_sharding(sh, homes[i], self._ndims[i]):
                 raise ValueError(
                     f"argument {names[i]} is placed as {sh}, but this program was compiled "

@@ -17,6 +17,7 @@ import json
 import queue
 import socket
 import socketserver
+import sys
 import threading
 import time
 import weakref
@@ -61,9 +62,9 @@ def _lookup(gid: str) -> jax.Array | None:
 
 
 def _kv() -> Any:
-    from multimesh.runtime.transport import _kv_client
+    from multimesh.runtime.transport import kv_client
 
-    return _kv_client()
+    return kv_client()
 
 
 def _local_ip() -> str:
@@ -99,6 +100,12 @@ def _ensure_service() -> None:
     def _stop() -> None:
         """At exit (before jax.distributed shuts down: atexit runs last-in first), keep
         answering until every process is done, so a late to_host elsewhere still works."""
+        if _SERVICE.get("failed"):
+            # dying of an exception: do not wait for the others (the launcher stops them
+            # once this process exits); waiting could hold a failed job for minutes
+            server.shutdown()
+            server.server_close()
+            return
         try:
             kv = _kv()
             kv.key_value_set(f"multimesh/done/{jax.process_index()}", "1")
@@ -113,6 +120,13 @@ def _ensure_service() -> None:
         server.server_close()
 
     atexit.register(_stop)
+    hook = sys.excepthook
+
+    def excepthook(*exc: Any) -> None:
+        _SERVICE["failed"] = True
+        hook(*exc)
+
+    sys.excepthook = excepthook
 
 
 class _PooledServer(socketserver.TCPServer):

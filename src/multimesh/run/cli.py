@@ -210,13 +210,6 @@ def validate_maxtext(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None
     ):
         if given:
             p.error(f"{flag} is not supported with --model maxtext yet")
-    import jax
-
-    if jax.process_count() > 1:
-        p.error(
-            f"--model maxtext runs in one process for now ({jax.process_count()} processes "
-            "found); use one process with all devices"
-        )
     if ns.compare_spmd and ns.checkpoint_dir:
         # MaxText resumes from DIR, and its learning-rate schedule spans the saving run's
         # steps: a fresh jax.jit reference would not train the same steps

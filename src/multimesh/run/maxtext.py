@@ -260,23 +260,32 @@ class _PlacedStep:
         flat, tree = jax.tree_util.tree_flatten_with_path(state)
         stages = [_leaf_stage(p, self._stages, self._layers) for p, _ in flat]
         specs = [getattr(getattr(x, "sharding", None), "spec", None) for _, x in flat]
+        # leaves no stage owns (step counts) keep MaxText's sharding, replicated over the
+        # stages, which the step's out_shardings keep too (MaxText reads them on every
+        # process); the owned ones go to their stage
+        moved = [k for k, st in enumerate(stages) if st is not None]
 
         def place(leaves: list[Any]) -> list[Any]:
             out = []
-            for x, st, spec in zip(leaves, stages, specs):
-                if st is None or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
-                    out.append(x)
+            for x, k in zip(leaves, moved):
+                if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+                    out.append(x)  # PRNG keys: passed through
                     continue
 
-                def copy(y: Any, spec: Any = spec) -> Any:
+                def copy(y: Any, spec: Any = specs[k]) -> Any:
                     y = y + 0
                     return y if spec is None else jax.lax.with_sharding_constraint(y, spec)
 
+                st = stages[k]
+                assert st is not None
                 out.append(mm.task("place", stage=st % self._mmesh.num_stages)(copy)(x))
             return out
 
-        placed = mm.jit(place, mesh=self._mmesh)([x for _, x in flat])
-        new = jax.tree_util.tree_unflatten(tree, placed)
+        placed = mm.jit(place, mesh=self._mmesh)([flat[k][1] for k in moved])
+        leaves = [x for _, x in flat]
+        for k, x in zip(moved, placed):
+            leaves[k] = x
+        new = jax.tree_util.tree_unflatten(tree, leaves)
         self._pending = (state, new)
         return new
 
@@ -291,6 +300,13 @@ class _PlacedStep:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._step, name)
+
+
+def _replicated(mmesh: Any) -> Any:
+    """Every device of the MultiMesh, replicated (spec without the MPMD axis)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(mmesh.mesh, PartitionSpec())
 
 
 @contextlib.contextmanager
@@ -356,6 +372,10 @@ def hooks(ns: argparse.Namespace, record: Record, *, pipelined: bool) -> Iterato
     patches: list[tuple[Any, str, Any]] = [
         (train, "training_loop_iteration", training_loop_iteration)
     ]
+    if pipelined and ns.checkpoint_dir and jax.process_count() > 1:
+        # MaxText's own Orbax checkpointing of stage-local state: each stage's arrays live
+        # on one process, which Orbax otherwise refuses as host-local arrays
+        mm.checkpoint.accept_mpmd_arrays()
     if pipelined:
 
         def get_mesh_from_config(config: Any, devices: Any = None) -> Any:
@@ -393,21 +413,29 @@ def hooks(ns: argparse.Namespace, record: Record, *, pipelined: bool) -> Iterato
             fn, in_sh, _out_sh, static, donate = mt_utils.get_functional_train_with_signature(
                 train_step, data_sharding, state_mesh_shardings, model, config, params_shardings
             )
-            # out_shardings=None: the new state stays on the stages that own it (MaxText's
-            # global-mesh shardings would copy every parameter to every stage each step)
+            # the new state: a stage's leaves stay on the stage that owns them (MaxText's
+            # global-mesh shardings would copy every parameter to every stage each step);
+            # the others (step counts) keep MaxText's sharding, replicated over the stages
+            # as _PlacedStep leaves them, so MaxText reads them on every process
+            layers = int(config.num_decoder_layers)
+            state_out = jax.tree_util.tree_map_with_path(
+                lambda path, sh: sh if _leaf_stage(path, num_stages, layers) is None else None,
+                state_mesh_shardings,
+            )
             step = mm.jit(
                 fn,
                 mesh=record.mmesh,
                 in_shardings=in_sh,
+                # metrics: replicated over every submesh, as MaxText's jax.jit leaves them
+                # (its metric logger reads them on every process)
+                out_shardings=(state_out, _replicated(record.mmesh)),
                 static_argnums=static,
                 donate_argnums=donate,
             )
             # MaxText builds its state replicated over the stages; copying it to the owning
             # stages first lets every call (the first, fed that state, and the later ones,
             # fed the step's stage-local outputs) use one compiled program
-            record.step_fn = _PlacedStep(
-                step, record.mmesh, num_stages, int(config.num_decoder_layers)
-            )
+            record.step_fn = _PlacedStep(step, record.mmesh, num_stages, layers)
             return record.step_fn
 
         def gradient_accumulation_loss_and_grad(

@@ -12,6 +12,9 @@ copies across processes go through the transport (:mod:`multimesh.runtime.transp
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,6 +52,75 @@ def locality() -> Locality | None:
     if jax.process_count() == 1:
         return None
     return Locality(jax.process_index(), {int(d.id): d.process_index for d in jax.devices()})
+
+
+_PLAN_SEQ = itertools.count()
+
+
+def check_same_plan(
+    loc: Locality,
+    uid: int,
+    inputs: Sequence[str],
+    names: Sequence[str],
+    what: str,
+    timeout_s: float = 300.0,
+) -> None:
+    """Every process must build the same plan for the same call (the transfers pair up by
+    plan): compare this process's plan with every other's, before anything runs, and name
+    the arguments placed differently instead of hanging in a transfer that never pairs.
+
+    ``inputs`` describes where each flat argument is on this process; ``names`` are
+    the arguments' paths (for the message)."""
+    seq = next(_PLAN_SEQ)
+    kv = tp.kv_client()
+    mine = {"uid": str(uid), "inputs": list(inputs)}
+    kv.key_value_set(f"multimesh/plan/{seq}/{loc.me}", json.dumps(mine))
+    for p in sorted(set(loc.owner.values()) - {loc.me}):
+        raw = _poll(kv, f"multimesh/plan/{seq}/{p}", timeout_s)
+        if raw is None:
+            raise RuntimeError(
+                f"{what}: process {p} did not build its plan number {seq} within "
+                f"{timeout_s:.0f} s. Every process must call the same mm.jit functions, in "
+                "the same order, with arguments of the same shapes and placements."
+            )
+        other = json.loads(raw)
+        if other["uid"] == mine["uid"]:
+            continue
+        diff = [
+            f"{names[k] if k < len(names) else f'argument {k}'}: here {a}, on process {p} {b}"
+            for k, (a, b) in enumerate(zip(inputs, other["inputs"]))
+            if a != b
+        ]
+        why = (
+            "arguments placed differently: "
+            + "; ".join(diff[:4])
+            + (f" (and {len(diff) - 4} more)" if len(diff) > 4 else "")
+            if diff
+            else "the traced programs differ (shapes, static arguments or Python control flow)"
+        )
+        raise RuntimeError(
+            f"{what}: process {loc.me} and process {p} built different plans for the same "
+            f"call ({why}). Every process must pass the same arguments with the same "
+            "placement: commit arrays to the same sharding on every process (e.g. "
+            "jax.device_put(x, NamedSharding(mesh, spec)) or an mm.jit output), not to a "
+            "process's default device."
+        )
+
+
+def _poll(kv: Any, key: str, timeout_s: float) -> str | None:
+    """The value of ``key`` once another process sets it (``None`` after ``timeout_s``).
+    Polls with sleeps rather than a blocking get, which would hold the GIL while this
+    process's threads still have transfers of the previous call to serve."""
+    deadline = time.monotonic() + timeout_s
+    wait = 0.0005
+    while True:
+        try:
+            return kv.key_value_try_get(key)
+        except Exception:  # noqa: BLE001 - not set yet (the runtime's NotFound error)
+            if time.monotonic() > deadline:
+                return None
+        time.sleep(wait)
+        wait = min(wait * 2, 0.05)
 
 
 def check_layout(loc: Locality, targets: Sequence[Any]) -> None:

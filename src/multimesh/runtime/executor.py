@@ -230,6 +230,27 @@ class Executable:
                 steps[-1] = (*steps[-1][:4], tuple(st.free))
         jobs.wait()
         slot_sh = slot_sh.resolved()
+        out_ids = [list(o[1]) if o[0] == "slots" else [] for o in plan.outputs]
+        if loc is not None:
+            # outputs replicated over every submesh: copy them to the submeshes that do not
+            # produce them through the transport (they may be other processes')
+            items = []
+            for k, req in enumerate(requests):
+                ids = out_ids[k]
+                if not (ids and req.replicate):
+                    continue
+                have = {slot_stage[i] for i in ids}
+                for s in sorted(set(req.per_stage) - have):
+                    new = len(template)
+                    template.append(None)
+                    slot_stage[new], slot_var[new] = s, slot_var[ids[0]]
+                    items.append((ids[0], new, slot_var[ids[0]].aval, slot_stage[ids[0]], s))
+                    ids.append(new)
+            if items:
+                run = crossproc.transfer_step(
+                    items, targets, slot_sh, loc, self._uid_base, len(plan.steps)
+                )
+                steps.append((_CALL, run, (), (), ()))
         self.compiled = [compiling.resolve(c) for c in self.compiled]
         self._steps = [_resolved_step(st) for st in steps]
         self._template = template
@@ -246,7 +267,7 @@ class Executable:
                     req.final if req.final is not None else req.per_stage.get(0, default_sh)
                 )
                 continue
-            ids = out[1]
+            ids = out_ids[k]
             self.output_shardings.append(
                 out_pass.output_sharding(ids, req, slot_sh, slot_stage, self._stage_axis)
             )
@@ -313,6 +334,7 @@ class Executable:
         # per argument: (slot, sharding, rows cut from it or None, shape)
         per_arg: dict[int, list[tuple[int, Any, Any, tuple[int, ...]]]] = {}
         in_place: set[int] = set()  # arguments used where they are (as is / sliced)
+        all_arg: dict[int, list[Any]] = {}  # per argument: every stage's sharding
         for ip, sid in st.items:
             mesh = targets[ip.stage].mesh
             shape = tuple(slot_var[sid].aval.shape)
@@ -347,21 +369,25 @@ class Executable:
                     else NamedSharding(mesh, PartitionSpec())
                 )
             slot_sh[sid] = sh
+            all_arg.setdefault(a, []).append(sh)
             if not local:
                 continue  # another process feeds that submesh
             per_arg.setdefault(a, []).append((sid, sh, cut, shape))
-        leaves = []
-        #: per argument with input slots: the sharding it is used in place with (or None)
-        self.homes: dict[int, Any] = {}
-        for a, tgts in per_arg.items():
-            shs = [sh for _sid, sh, _c, _s in tgts]
+
+        def home_of(a: int, shs: list[Any]) -> Any:
             if a in in_place:
-                home = sample_args[a].sharding
-            elif len(tgts) == 1:
-                home = shs[0]
-            else:
-                home = tr.union_sharding(shs, self._stage_axis)
-            self.homes[a] = home
+                return sample_args[a].sharding
+            return shs[0] if len(shs) == 1 else tr.union_sharding(shs, self._stage_axis)
+
+        #: per argument with input slots: the sharding it is used in place with (or None),
+        #: over every submesh that uses it, whichever process feeds them: every process
+        #: then accepts the same arguments for this program (see Compiled.accepts)
+        self.homes: dict[int, Any] = {a: home_of(a, shs) for a, shs in all_arg.items()}
+        #: arguments the plan uses where they are (as is or sliced), not put
+        self.in_place: frozenset[int] = frozenset(in_place)
+        leaves = []
+        for a, tgts in per_arg.items():
+            home = home_of(a, [sh for _sid, sh, _c, _s in tgts])
             direct: list[int] = []
             extracts: list[tuple[int, Any, tuple[int, ...], tuple[int, ...]]] = []
             if home is not None:

@@ -123,10 +123,18 @@ def output_fn(
         def replicated(env: list[Any]) -> jax.Array:
             vals = [value(env, k) for k in range(len(ids))]
             src = vals[0]
+            key = jax.dtypes.issubdtype(src.dtype, jax.dtypes.extended)
+            if key:  # PRNG keys: assemble their key data, then wrap it
+                vals = [jax.random.key_data(v) for v in vals]
             if missing:
-                vals += _compat.same_layout_copy([src] * len(missing), [sh for _, sh in missing])
+                vals += _compat.same_layout_copy(
+                    [vals[0]] * len(missing), [sh for _, sh in missing]
+                )
             pieces = [p for v in vals for p in _compat.single_device_arrays(v)]
-            return jax.make_array_from_single_device_arrays(shape, final, pieces)
+            if not key:
+                return jax.make_array_from_single_device_arrays(shape, final, pieces)
+            data = jax.make_array_from_single_device_arrays(vals[0].shape, final, pieces)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(src))
 
         return replicated
 

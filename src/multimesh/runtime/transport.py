@@ -78,7 +78,7 @@ class ServerTransport(Transport):
 
         client = jax.local_devices()[0].client
         self._server = transfer.start_transfer_server(client, "127.0.0.1:0", ["127.0.0.1:0"])
-        self._kv = _kv_client()
+        self._kv = kv_client()
         self._me = jax.process_index()
         self._kv.key_value_set(f"multimesh/transfer/{self._me}", self._server.address())
         self._conns: dict[int, Any] = {}
@@ -169,7 +169,7 @@ def _single(device: Any) -> Any:
     return jax.sharding.SingleDeviceSharding(device)
 
 
-def _kv_client() -> Any:
+def kv_client() -> Any:
     from jax._src import distributed
 
     client = distributed.global_state.client
