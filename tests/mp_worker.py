@@ -207,6 +207,15 @@ def main() -> None:
         programs = [(which, lambda d: checkpoint_program(d, which == "ckpt-resume"), sys.argv[3])]
     if which == "mismatch":
         mismatched_placement()
+    if which == "raise":  # rank 1 fails after a call; rank 0 then waits for it
+        f = mm.jit(
+            lambda x: mm.task(lambda v: v * 2, name="t", stage=0)(x),
+            mesh=mm.make_mesh((2, 4), ("stage", "data")),
+        )
+        f(np.ones(8, np.float32))  # starts this process's to_host service
+        if jax.process_index() == 1:
+            raise RuntimeError("rank 1 fails on purpose")
+        f(np.ones(16, np.float32))  # a new plan: waits for rank 1's, which never comes
     if which == "layout":  # a submesh split over processes that hold another one too
         mmesh = mm.make_mesh((3, 2), ("stage", "data"))
         mm.jit(lambda x: mm.task(lambda v: v * 2, name="t", stage=1)(x), mesh=mmesh)(

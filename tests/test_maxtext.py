@@ -42,12 +42,23 @@ LLAMA2_TINY = [
 ]  # fmt: skip
 
 
-def run_cli(args: list[str], tmp_path: Path, timeout: int = 600) -> tuple[dict, str]:
-    metrics = tmp_path / "metrics.json"
+def run_cli(
+    args: list[str], tmp_path: Path, timeout: int = 600, *, nproc: int = 1, name: str = "metrics"
+) -> tuple[dict, str]:
+    """``multimesh-run`` in one process with 8 CPU devices, or under the launcher in
+    ``nproc`` processes sharing them."""
+    metrics = tmp_path / f"{name}.json"
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
+    if nproc == 1:
+        head = [sys.executable, "-m", "multimesh.run", "--cpus", "8"]
+    else:
+        head = [
+            sys.executable, "-m", "multimesh.launch", "--nproc", str(nproc),
+            "--devices-per-process", str(8 // nproc), "-m", "multimesh.run",
+        ]  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "-m", "multimesh.run", "--cpus", "8", *args, "--metrics", str(metrics)],
+        [*head, *args, "--metrics", str(metrics)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -71,6 +82,58 @@ def test_maxtext_pipelined_equals_unpipelined(layout, tmp_path):
     for got, want in zip(m["losses"], m["reference_losses"]):
         assert abs(got - want) <= 1e-5, (m["losses"], m["reference_losses"])
     assert m["losses"][-1] < m["losses"][0]  # it trains
+
+
+def test_maxtext_under_the_launcher(tmp_path):
+    """2 processes x 4 devices, one stage each: MaxText's metrics (replicated over the
+    stages) and step counts are read on both processes; losses equal MaxText's own
+    unpipelined jax.jit step run in the same 2 processes."""
+    m, out = run_cli([*LLAMA2_TINY, "--pp", "2", "--dp", "4"], tmp_path, nproc=2)
+    assert "[rank 1]" in out and "(ok" in out, out[-3000:]
+    assert len(m["losses"]) == 3
+    for got, want in zip(m["losses"], m["reference_losses"]):
+        assert abs(got - want) <= 1e-5, (m["losses"], m["reference_losses"])
+
+
+# save at step 2 of a 5-step schedule, resume to 5: learning_rate_schedule_steps pins the
+# schedule to 5 steps in both runs (MaxText's default spans the run's own --num-steps)
+RESUMABLE = [
+    *[a for a in LLAMA2_TINY if a not in ("--compare-spmd", "--num-steps", "3")],
+    "--pp", "2", "--dp", "4",
+    "--maxtext-override", "learning_rate_schedule_steps=5",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """MaxText's 5 steps in one go (pipelined, one process)."""
+    m, _ = run_cli([*RESUMABLE, "--num-steps", "5"], tmp_path_factory.mktemp("full"))
+    return m["losses"]
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["1-process", "2-processes"])
+def test_maxtext_checkpoint_resume_continues_the_loss_curve(nproc, uninterrupted, tmp_path):
+    """MaxText's own Orbax checkpointing (async) of the stage-local state under MPMD: 3
+    steps save step 2; a 5-step run restores it and trains steps 3-4 with the losses of
+    the uninterrupted run (in 2 processes each process writes only its stage's arrays)."""
+    ck = str(tmp_path / "ck")
+    first, _ = run_cli(
+        [*RESUMABLE, "--num-steps", "3", "--checkpoint-dir", ck], tmp_path, nproc=nproc,
+        name="first",
+    )
+    assert first["first_step"] == 0
+    for got, want in zip(first["losses"], uninterrupted[:3]):
+        assert abs(got - want) <= 1e-5, (first["losses"], uninterrupted)
+    saved = sorted(int(p.name) for p in (tmp_path / "ck" / "multimesh" / "checkpoints").iterdir())
+    assert 2 in saved, saved
+    resumed, _ = run_cli(
+        [*RESUMABLE, "--num-steps", "5", "--checkpoint-dir", ck], tmp_path, nproc=nproc,
+        name="resumed",
+    )
+    assert resumed["first_step"] == 3
+    assert len(resumed["losses"]) == 2
+    for got, want in zip(resumed["losses"], uninterrupted[3:]):
+        assert abs(got - want) <= 1e-5, (resumed["losses"], uninterrupted)
 
 
 def test_hook_points_exist():

@@ -125,6 +125,17 @@ def test_unsupported_layout_is_a_clear_error(tmp_path):
     assert "multimesh.launch: rank" in proc.stderr
 
 
+def test_rank_dying_of_an_exception_stops_the_job_quickly(tmp_path):
+    """A rank that raises after its first mm.jit call exits at once (it does not wait at
+    exit for the others to finish), so the launcher stops the rank still waiting for it."""
+    t0 = time.monotonic()
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "raise", timeout=240)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode != 0
+    assert "rank 1 fails on purpose" in proc.stdout + proc.stderr
+    assert elapsed < 90, f"the job took {elapsed:.0f} s to stop"
+
+
 def _alive(token: str) -> list[int]:
     pids = []
     for d in Path("/proc").iterdir():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import collections
 import json
+import os
 import queue
 import socket
 import socketserver
@@ -100,12 +101,6 @@ def _ensure_service() -> None:
     def _stop() -> None:
         """At exit (before jax.distributed shuts down: atexit runs last-in first), keep
         answering until every process is done, so a late to_host elsewhere still works."""
-        if _SERVICE.get("failed"):
-            # dying of an exception: do not wait for the others (the launcher stops them
-            # once this process exits); waiting could hold a failed job for minutes
-            server.shutdown()
-            server.server_close()
-            return
         try:
             kv = _kv()
             kv.key_value_set(f"multimesh/done/{jax.process_index()}", "1")
@@ -120,11 +115,29 @@ def _ensure_service() -> None:
         server.server_close()
 
     atexit.register(_stop)
+    fail_fast()
+
+
+def fail_fast() -> None:
+    """Multi-process runs: a process dying of an uncaught exception prints it and exits
+    at once, skipping exit handlers that wait for the other processes (this service's,
+    ``jax.distributed``'s shutdown barrier), which wait on it in turn: minutes of a job
+    that cannot finish. The launcher (or SLURM, mpirun) then stops the others."""
+    if _SERVICE.get("fail_fast") or jax.process_count() == 1:
+        return
+    _SERVICE["fail_fast"] = True
     hook = sys.excepthook
 
     def excepthook(*exc: Any) -> None:
-        _SERVICE["failed"] = True
-        hook(*exc)
+        try:
+            hook(*exc)
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001 - exiting anyway
+                    pass
+            os._exit(1)
 
     sys.excepthook = excepthook
 

@@ -52,7 +52,9 @@ def initialize(
     passed to ``jax.distributed.initialize``. On CPU it sets the number of virtual
     devices per process the launcher asks for, and JAX's gloo collectives.
     ``heartbeat_timeout_seconds`` bounds how long peers wait for a process that died
-    (JAX's default: 100 s). Call it before anything touches JAX devices.
+    (JAX's default: 100 s). Call it before anything touches JAX devices. In a
+    multi-process run, a process dying of an uncaught exception exits at once after
+    printing it (instead of waiting minutes at exit for peers that wait for it).
     """
     if _STATE["initialized"]:
         return jax.process_count() > 1
@@ -79,6 +81,9 @@ def initialize(
         kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_seconds)
     jax.distributed.initialize(coordinator_address, num_processes, process_id, **kwargs)
     _STATE["initialized"] = True
+    from multimesh.distributed import _host
+
+    _host.fail_fast()
     if jax.process_index() == 0:
         log.info("multimesh: %s", process_map())
     return jax.process_count() > 1

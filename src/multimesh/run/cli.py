@@ -84,7 +84,8 @@ def parser() -> argparse.ArgumentParser:
         "--checkpoint-dir",
         default=None,
         metavar="DIR",
-        help="save the training state (parameters and optimizer state) under DIR",
+        help="save the training state (parameters and optimizer state) under DIR; with "
+        "--model maxtext, MaxText's own async Orbax checkpointing, which resumes from DIR",
     )
     c.add_argument(
         "--checkpoint-every",
