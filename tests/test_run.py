@@ -187,6 +187,63 @@ def test_under_the_launcher_equals_one_process(tmp_path):
     assert json.loads(one.read_text())["losses"] == json.loads(two.read_text())["losses"]
 
 
+def _cluster_env(kind: str, rank: int, nproc: int, job: int) -> dict[str, str]:
+    """What mpirun (Open MPI) or srun (SLURM) put in each task's environment, for one
+    host (the coordinator port JAX derives from the job id)."""
+    if kind == "openmpi":
+        return {
+            "OMPI_MCA_orte_hnp_uri": f"{job}.0;tcp://127.0.0.1:1",
+            "OMPI_COMM_WORLD_SIZE": str(nproc),
+            "OMPI_COMM_WORLD_RANK": str(rank),
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+        }
+    return {
+        "SLURM_JOB_ID": str(job),
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_NTASKS": str(nproc),
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank),
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind", ["openmpi", "slurm"])
+def test_under_mpirun_and_slurm_equals_one_process(kind, tmp_path):
+    """multimesh-run started by mpirun or srun (emulated: their environment variables on
+    2 local processes): mm.distributed.initialize joins through JAX's cluster detection
+    and the losses equal one process's."""
+    import random
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "MULTIMESH_"))}
+    env = {k: v for k, v in env.items() if not k.startswith(("OMPI_", "SLURM_", "PMI_"))}
+    args = [*SMALL, "--pp", "2", "--dp", "4", "--num-steps", "2"]
+    one = tmp_path / "one.json"
+    p1 = subprocess.run(
+        [sys.executable, "-m", "multimesh.run", *args, "--metrics", str(one)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert p1.returncode == 0, p1.stderr[-3000:]
+    job = random.randrange(1000, 4000)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "multimesh.run", *args, "--metrics", str(tmp_path / f"{r}.json")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**env, **_cluster_env(kind, r, 2, job), "MULTIMESH_DEVICES_PER_PROCESS": "4"},
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    assert "process 0: devices [0, 1, 2, 3], stages [0]; process 1:" in outs[0], outs[0][-2000:]
+    want = json.loads(one.read_text())["losses"]
+    assert json.loads((tmp_path / "0.json").read_text())["losses"] == want
+
+
 def test_checkpoint_resume_continues_the_loss_curve(tmp_path):
     """Train 4 steps saving at 2 and 4; drop step 4 and resume from step 2: steps 3-4
     repeat bit-identically; a resume in another layout continues too."""
