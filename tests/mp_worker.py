@@ -232,6 +232,13 @@ def main() -> None:
     if which == "quick":
         replicated_outputs_and_keys()
     if which == "quick" and jax.process_index() == 0:
+        # a program on this process's devices only: no other process takes part
+        local = mm.make_mesh((2, 2), ("stage", "data"), devices=jax.local_devices()[:4])
+        g = mm.jit(lambda x: mm.task(lambda v: v + 1, name="t", stage=1)(x), mesh=local)
+        r = g(np.ones(4, np.float32))
+        assert all((np.asarray(s.data) == 2).all() for s in r.addressable_shards)
+        print("local-only ok", flush=True)
+    if which == "quick" and jax.process_index() == 0:
         # one-sided: only this process asks, wherever the value lives
         f = mm.jit(
             lambda x: mm.task(lambda v: v.sum(), name="last", stage=3)(x),

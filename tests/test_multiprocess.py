@@ -93,6 +93,7 @@ def test_two_processes_match_one(baseline, tmp_path):
     assert re.search(r"\[rank 0\] one-sided 28\.0", proc.stdout), proc.stdout[-2000:]
     # outputs replicated over every submesh, and a PRNG key passed through and fed back
     assert proc.stdout.count("replicated outputs ok") == 2, proc.stdout[-2000:]
+    assert "[rank 0] local-only ok" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_processes_that_plan_differently_get_a_clear_error(tmp_path):

@@ -118,16 +118,17 @@ class Lowered:
             text += "\ntask_rules placed scopes:\n" + "\n".join(rows)
         return text
 
-    def _plan_signature(self) -> tuple[int, list[str]]:
-        """This plan's hash and where each flat argument sits in it (compared between
-        processes before anything runs)."""
+    def _plan_signature(self) -> tuple[int, list[str], list[int]]:
+        """This plan's hash, where each flat argument sits in it, and its devices' ids
+        (compared between the processes holding them before anything runs)."""
+        devices = sorted({int(d) for t in self._labels.targets for d in t.device_ids})
         where = [
             "uncommitted (placed by the plan)"
             if ii.mode == "put"
             else f"{ii.mode} on submesh(es) {sorted(ii.loc or ())}"
             for ii in self.input_infos
         ]
-        return _compat.stable_hash(self.plan.as_text()), where
+        return _compat.stable_hash(self.plan.as_text()), where, devices
 
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
         """Compile every fragment with XLA for its submesh (``compiler_options`` are
@@ -159,7 +160,9 @@ class Lowered:
         return compiled
 
 
-def _check_same_plan(fn: MpmdFunction, call: Any, signature: tuple[int, list[str]]) -> None:
+def _check_same_plan(
+    fn: MpmdFunction, call: Any, signature: tuple[int, list[str], list[int]]
+) -> None:
     """Multi-process: every process must run the same plan for the call at hand (its
     transfers pair up by plan); else a clear error naming the arguments placed
     differently, instead of a hang. A no-op in one process."""
@@ -169,9 +172,9 @@ def _check_same_plan(fn: MpmdFunction, call: Any, signature: tuple[int, list[str
 
     loc = crossproc.locality()
     assert loc is not None
-    uid, where = signature
+    uid, where, devices = signature
     crossproc.check_same_plan(
-        loc, uid, where, fn._signature.leaf_names(call), f"mm.jit of {fn._fun_name!r}"
+        loc, uid, where, fn._signature.leaf_names(call), f"mm.jit of {fn._fun_name!r}", devices
     )
 
 

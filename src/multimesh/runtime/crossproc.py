@@ -54,7 +54,8 @@ def locality() -> Locality | None:
     return Locality(jax.process_index(), {int(d.id): d.process_index for d in jax.devices()})
 
 
-_PLAN_SEQ = itertools.count()
+#: per group of processes: how many plans it has compared (the key-value keys' sequence)
+_PLAN_SEQ: dict[tuple[int, ...], itertools.count] = {}
 
 
 def check_same_plan(
@@ -63,20 +64,29 @@ def check_same_plan(
     inputs: Sequence[str],
     names: Sequence[str],
     what: str,
+    devices: Sequence[int],
     timeout_s: float = 300.0,
 ) -> None:
     """Every process must build the same plan for the same call (the transfers pair up by
-    plan): compare this process's plan with every other's, before anything runs, and name
-    the arguments placed differently instead of hanging in a transfer that never pairs.
+    plan): compare this process's plan with those of the other processes holding the
+    program's ``devices`` (ids), before anything runs, and name the arguments placed
+    differently instead of hanging in a transfer that never pairs. A program on this
+    process's devices only compares nothing.
 
     ``inputs`` describes where each flat argument is on this process; ``names`` are
     the arguments' paths (for the message)."""
-    seq = next(_PLAN_SEQ)
+    group = tuple(sorted({loc.owner[int(d)] for d in devices} | {loc.me}))
+    if len(group) == 1:
+        return
+    seq = next(_PLAN_SEQ.setdefault(group, itertools.count()))
+    tag = "-".join(map(str, group))
     kv = tp.kv_client()
     mine = {"uid": str(uid), "inputs": list(inputs)}
-    kv.key_value_set(f"multimesh/plan/{seq}/{loc.me}", json.dumps(mine))
-    for p in sorted(set(loc.owner.values()) - {loc.me}):
-        raw = _poll(kv, f"multimesh/plan/{seq}/{p}", timeout_s)
+    kv.key_value_set(f"multimesh/plan/{tag}/{seq}/{loc.me}", json.dumps(mine))
+    for p in group:
+        if p == loc.me:
+            continue
+        raw = _poll(kv, f"multimesh/plan/{tag}/{seq}/{p}", timeout_s)
         if raw is None:
             raise RuntimeError(
                 f"{what}: process {p} did not build its plan number {seq} within "
