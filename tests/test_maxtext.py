@@ -117,19 +117,29 @@ def test_maxtext_checkpoint_resume_continues_the_loss_curve(nproc, uninterrupted
     steps save step 2; a 5-step run restores it and trains steps 3-4 with the losses of
     the uninterrupted run (in 2 processes each process writes only its stage's arrays)."""
     ck = str(tmp_path / "ck")
+    # one process: a checkpoint every step, the 2 latest kept (MaxText's checkpoint_period
+    # and max_num_checkpoints_to_keep)
+    every = ["--checkpoint-every", "1", "--max-to-keep", "2"] if nproc == 1 else []
     first, _ = run_cli(
-        [*RESUMABLE, "--num-steps", "3", "--checkpoint-dir", ck], tmp_path, nproc=nproc,
-        name="first",
+        [*RESUMABLE, "--num-steps", "3", "--checkpoint-dir", ck, *every], tmp_path,
+        nproc=nproc, name="first",
     )
     assert first["first_step"] == 0
     for got, want in zip(first["losses"], uninterrupted[:3]):
         assert abs(got - want) <= 1e-5, (first["losses"], uninterrupted)
     saved = sorted(int(p.name) for p in (tmp_path / "ck" / "multimesh" / "checkpoints").iterdir())
-    assert 2 in saved, saved
-    resumed, _ = run_cli(
-        [*RESUMABLE, "--num-steps", "5", "--checkpoint-dir", ck], tmp_path, nproc=nproc,
-        name="resumed",
+    assert saved == [1, 2] if nproc == 1 else 2 in saved, saved
+    if nproc == 1:  # continuing needs --resume (MaxText itself would continue silently)
+        from multimesh.run import cli
+
+        with pytest.raises(SystemExit) as e:
+            cli.main([*RESUMABLE, "--num-steps", "5", "--checkpoint-dir", ck])
+        assert e.value.code == 2
+    resumed, out = run_cli(
+        [*RESUMABLE, "--num-steps", "5", "--checkpoint-dir", ck, "--resume"], tmp_path,
+        nproc=nproc, name="resumed",
     )
+    assert "MaxText resumes from its step 2 checkpoint" in out, out[-3000:]
     assert resumed["first_step"] == 3
     assert len(resumed["losses"]) == 2
     for got, want in zip(resumed["losses"], uninterrupted[3:]):
@@ -178,7 +188,6 @@ def test_hooks_restore_maxtext():
     "args, message",
     [
         (["--dump", "/tmp/x"], "--dump is not supported with --model maxtext"),
-        (["--checkpoint-dir", "/tmp/x", "--resume"], "--resume is not supported with --model"),
         (["--compare-spmd", "--checkpoint-dir", "/tmp/x"], "--compare-spmd and --checkpoint-dir"),
         (["--maxtext-override", "dtype"], "--maxtext-override 'dtype': expected KEY=VALUE"),
     ],

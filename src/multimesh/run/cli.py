@@ -92,7 +92,8 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="save every N steps (default: only after the last step); needs --checkpoint-dir",
+        help="save every N steps (default: only after the last step; MaxText: its "
+        "checkpoint_period); needs --checkpoint-dir",
     )
     c.add_argument(
         "--max-to-keep", type=int, default=None, metavar="K", help="keep the K latest checkpoints"
@@ -102,7 +103,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue from the latest complete checkpoint in --checkpoint-dir (its layout "
         "may differ: a checkpoint restores into any --pp/--tp/--dp/--fsdp); steps run up to "
-        "--num-steps in all",
+        "--num-steps in all (--model maxtext: MaxText's own restore of its latest step)",
     )
     o = p.add_argument_group("output and checks")
     o.add_argument(
@@ -202,15 +203,33 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
         validate_maxtext(ns, p)
 
 
+def jax_process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
 def validate_maxtext(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     """What ``--model maxtext`` does not support (yet), as one-line errors."""
-    for flag, given in (
-        ("--dump", ns.dump),
-        ("--resume", ns.resume),
-        ("--checkpoint-every", ns.checkpoint_every is not None),
-    ):
-        if given:
-            p.error(f"{flag} is not supported with --model maxtext yet")
+    if ns.dump:
+        p.error("--dump is not supported with --model maxtext yet")
+    if ns.checkpoint_dir:
+        from multimesh.run.maxtext import saved_steps
+
+        steps = saved_steps(ns.checkpoint_dir)
+        # MaxText always continues from a checkpoint it finds: make that explicit
+        if steps and not ns.resume:
+            p.error(
+                f"--checkpoint-dir {ns.checkpoint_dir} holds MaxText checkpoints (steps "
+                f"{steps}); pass --resume to continue from the latest, or use another directory"
+            )
+        if ns.resume and jax_process_index() == 0:
+            print(
+                f"multimesh-run: MaxText resumes from its step {steps[-1]} checkpoint in "
+                f"{ns.checkpoint_dir}"
+                if steps
+                else f"multimesh-run: no checkpoint in {ns.checkpoint_dir}; starting at step 0"
+            )
     if ns.compare_spmd and ns.checkpoint_dir:
         # MaxText resumes from DIR, and its learning-rate schedule spans the saving run's
         # steps: a fresh jax.jit reference would not train the same steps

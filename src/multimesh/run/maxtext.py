@@ -148,6 +148,10 @@ def overrides(
     }
     if ns.checkpoint_dir and pipelined:
         o["base_output_directory"] = ns.checkpoint_dir  # MaxText: <dir>/<run_name>/checkpoints
+        if ns.checkpoint_every is not None:
+            o["checkpoint_period"] = ns.checkpoint_every
+        if ns.max_to_keep is not None:
+            o["max_num_checkpoints_to_keep"] = ns.max_to_keep
     o["remat_policy"] = "full" if ns.remat else "none"
     if ns.model_name:
         o["model_name"] = ns.model_name
@@ -528,6 +532,17 @@ def _microbatched_loss_and_grad(
 # --- the command ------------------------------------------------------------------------
 
 
+RUN_NAME = "multimesh"
+
+
+def saved_steps(checkpoint_dir: str) -> list[int]:
+    """The complete MaxText checkpoints ``--checkpoint-dir`` holds (their steps)."""
+    root = Path(checkpoint_dir) / RUN_NAME / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+
+
 def train_once(ns: argparse.Namespace, *, pipelined: bool, on_step: Any = None) -> Record:
     """One MaxText training run (``train.main``) with the hooks; returns its record."""
     import absl.logging
@@ -537,7 +552,7 @@ def train_once(ns: argparse.Namespace, *, pipelined: bool, on_step: Any = None) 
     with tempfile.TemporaryDirectory(prefix="multimesh-maxtext-") as out:
         settings = overrides(
             ns,
-            run_name="multimesh" if pipelined else "multimesh-spmd",
+            run_name=RUN_NAME if pipelined else f"{RUN_NAME}-spmd",
             output_dir=out,
             pipelined=pipelined,
         )
