@@ -10,6 +10,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
+import time
 
 import multimesh as mm
 
@@ -207,6 +208,16 @@ def main() -> None:
         programs = [(which, lambda d: checkpoint_program(d, which == "ckpt-resume"), sys.argv[3])]
     if which == "mismatch":
         mismatched_placement()
+    if which == "plan-timeout":  # only rank 0 calls: it must not wait forever
+        os.environ["MULTIMESH_PLAN_TIMEOUT"] = "5"
+        if jax.process_index() == 0:
+            f = mm.jit(
+                lambda x: mm.task(lambda v: v * 2, name="t", stage=1)(x),
+                mesh=mm.make_mesh((2, 4), ("stage", "data")),
+            )
+            f(np.ones(8, np.float32))
+        else:
+            time.sleep(30)
     if which == "raise":  # rank 1 fails after a call; rank 0 then waits for it
         f = mm.jit(
             lambda x: mm.task(lambda v: v * 2, name="t", stage=0)(x),

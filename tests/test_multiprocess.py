@@ -126,6 +126,15 @@ def test_unsupported_layout_is_a_clear_error(tmp_path):
     assert "multimesh.launch: rank" in proc.stderr
 
 
+def test_a_process_that_never_plans_is_a_clear_error(tmp_path):
+    """Only rank 0 calls the mm.jit function: after MULTIMESH_PLAN_TIMEOUT (5 s, set by
+    the worker) it says which process did not build its plan, instead of waiting forever."""
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "plan-timeout", timeout=240)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "process 1 did not build its plan number 0 within 5 s" in text, text[-3000:]
+
+
 def test_rank_dying_of_an_exception_stops_the_job_quickly(tmp_path):
     """A rank that raises after its first mm.jit call exits at once (it does not wait at
     exit for the others to finish), so the launcher stops the rank still waiting for it."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -65,7 +66,7 @@ def check_same_plan(
     names: Sequence[str],
     what: str,
     devices: Sequence[int],
-    timeout_s: float = 300.0,
+    timeout_s: float | None = None,
 ) -> None:
     """Every process must build the same plan for the same call (the transfers pair up by
     plan): compare this process's plan with those of the other processes holding the
@@ -75,6 +76,8 @@ def check_same_plan(
 
     ``inputs`` describes where each flat argument is on this process; ``names`` are
     the arguments' paths (for the message)."""
+    if timeout_s is None:  # a peer may legitimately be busy (data loading, compiling)
+        timeout_s = float(os.environ.get("MULTIMESH_PLAN_TIMEOUT", "1800"))
     group = tuple(sorted({loc.owner[int(d)] for d in devices} | {loc.me}))
     if len(group) == 1:
         return
@@ -90,7 +93,8 @@ def check_same_plan(
         if raw is None:
             raise RuntimeError(
                 f"{what}: process {p} did not build its plan number {seq} within "
-                f"{timeout_s:.0f} s. Every process must call the same mm.jit functions, in "
+                f"{timeout_s:.0f} s (MULTIMESH_PLAN_TIMEOUT). Every process must call the "
+                "same mm.jit functions, in "
                 "the same order, with arguments of the same shapes and placements."
             )
         other = json.loads(raw)
