@@ -376,7 +376,7 @@ def hooks(ns: argparse.Namespace, record: Record, *, pipelined: bool) -> Iterato
     patches: list[tuple[Any, str, Any]] = [
         (train, "training_loop_iteration", training_loop_iteration)
     ]
-    if pipelined and ns.checkpoint_dir and jax.process_count() > 1:
+    if pipelined and getattr(ns, "checkpoint_dir", None) and jax.process_count() > 1:
         # MaxText's own Orbax checkpointing of stage-local state: each stage's arrays live
         # on one process, which Orbax otherwise refuses as host-local arrays
         mm.checkpoint.accept_mpmd_arrays()
