@@ -146,6 +146,23 @@ def test_maxtext_checkpoint_resume_continues_the_loss_curve(nproc, uninterrupted
         assert abs(got - want) <= 1e-5, (resumed["losses"], uninterrupted)
 
 
+def test_maxtext_dump(tmp_path):
+    """--dump: MaxText's train step's plan, the simulated and measured Gantt charts and a
+    Perfetto trace of the last step."""
+    args = [a for a in LLAMA2_TINY if a not in ("--compare-spmd", "3")]
+    args[args.index("--num-steps") + 1 : args.index("--num-steps") + 1] = ["2"]
+    out = tmp_path / "dump"
+    m, text = run_cli([*args, "--pp", "2", "--dp", "4", "--dump", str(out)], tmp_path)
+    assert len(m["losses"]) == 2
+    plan = (out / "plan.txt").read_text()
+    assert plan.startswith("MPMD plan:") and "layers_3" in plan and "stage 1" in plan
+    for name in ("simulated.png", "measured.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG", name
+    trace = json.loads((out / "trace.json").read_text())
+    assert trace["traceEvents"], trace
+    assert "dumped to" in text
+
+
 def test_hook_points_exist():
     """Fails loudly, naming the hook point, if another MaxText moved one."""
     from multimesh.run import maxtext as mt
@@ -187,7 +204,6 @@ def test_hooks_restore_maxtext():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--dump", "/tmp/x"], "--dump is not supported with --model maxtext"),
         (["--compare-spmd", "--checkpoint-dir", "/tmp/x"], "--compare-spmd and --checkpoint-dir"),
         (["--maxtext-override", "dtype"], "--maxtext-override 'dtype': expected KEY=VALUE"),
     ],

@@ -211,8 +211,6 @@ def jax_process_index() -> int:
 
 def validate_maxtext(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     """What ``--model maxtext`` does not support (yet), as one-line errors."""
-    if ns.dump:
-        p.error("--dump is not supported with --model maxtext yet")
     if ns.checkpoint_dir:
         from multimesh.run.maxtext import saved_steps
 

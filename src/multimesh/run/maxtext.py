@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import os
 import re
 import tempfile
 import time
@@ -251,10 +252,16 @@ class _PlacedStep:
     copied to the stages that own each leaf, so the first call and the later ones (fed the
     step's own stage-local outputs) use one program."""
 
-    def __init__(self, step: Any, mmesh: Any, num_stages: int, num_layers: int) -> None:
+    def __init__(
+        self, step: Any, mmesh: Any, num_stages: int, num_layers: int, *, dump: bool = False
+    ) -> None:
         self._step, self._mmesh = step, mmesh
         self._stages, self._layers = num_stages, num_layers
         self._pending: tuple[Any, Any] | None = None
+        #: --dump: the step's plan text and the latest step's measured timeline
+        self.dump = dump
+        self.plan_text: str | None = None
+        self.timeline: Any = None
 
     def _place(self, state: Any) -> Any:
         import multimesh as mm
@@ -300,7 +307,14 @@ class _PlacedStep:
         if self._pending is not None:
             state = self._place(state) if self._pending[0] is state else state
             self._pending = None
-        return self._step(state, *args, **kwargs)
+        if not self.dump:
+            return self._step(state, *args, **kwargs)
+        if self.plan_text is None:
+            self.plan_text = self._step.lower(state, *args, **kwargs).as_text()
+        if jax.process_count() > 1:
+            return self._step(state, *args, **kwargs)
+        out, self.timeline = self._step.record(state, *args, **kwargs)
+        return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._step, name)
@@ -439,7 +453,9 @@ def hooks(ns: argparse.Namespace, record: Record, *, pipelined: bool) -> Iterato
             # MaxText builds its state replicated over the stages; copying it to the owning
             # stages first lets every call (the first, fed that state, and the later ones,
             # fed the step's stage-local outputs) use one compiled program
-            record.step_fn = _PlacedStep(step, record.mmesh, num_stages, layers)
+            record.step_fn = _PlacedStep(
+                step, record.mmesh, num_stages, layers, dump=bool(getattr(ns, "dump", None))
+            )
             return record.step_fn
 
         def gradient_accumulation_loss_and_grad(
@@ -567,6 +583,36 @@ def train_once(ns: argparse.Namespace, *, pipelined: bool, on_step: Any = None) 
     return record
 
 
+def dump(ns: argparse.Namespace, rec: Record) -> tuple[str, str]:
+    """``--dump DIR``: the train step's plan, the schedule's simulated Gantt chart, and
+    (one process) the last step's measured Gantt chart and Perfetto trace."""
+    import multimesh as mm
+
+    step = rec.step_fn
+    out = ns.dump
+    wrote: list[str] = []
+    if jax.process_index() == 0:
+        os.makedirs(out, exist_ok=True)
+        if step is not None and step.plan_text is not None:
+            with open(os.path.join(out, "plan.txt"), "w") as fh:
+                fh.write(step.plan_text + "\n")
+            wrote.append("plan.txt")
+        sched = mm.schedules.get(ns.schedule)
+        if ns.interleave > 1:
+            sched = mm.schedules.Interleaved1F1B(num_chunks=ns.interleave)
+        mm.schedules.simulate(sched, ns.pp, ns.num_microbatches).plot(
+            os.path.join(out, "simulated.png")
+        )
+        wrote.append("simulated.png")
+        if step is not None and step.timeline is not None:
+            step.timeline.plot(os.path.join(out, "measured.png"))
+            step.timeline.to_chrome_trace(os.path.join(out, "trace.json"))
+            wrote += ["measured.png", "trace.json (ui.perfetto.dev)"]
+        elif jax.process_count() > 1:
+            wrote.append("(measured timeline: single-process runs only)")
+    return ("dumped to " + out, ", ".join(wrote))
+
+
 def run(ns: argparse.Namespace) -> int:
     """``multimesh-run --model maxtext``: train, print the summary; 1 if ``--compare-spmd``
     finds a loss difference above ``--tolerance``."""
@@ -621,6 +667,8 @@ def run(ns: argparse.Namespace) -> int:
             )
         )
         code = 0 if ok else 1
+    if ns.dump:
+        extra.append(dump(ns, rec))
     if rank0 and ns.metrics:
         import json
 
