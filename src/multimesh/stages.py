@@ -208,14 +208,17 @@ class Compiled:
         program without moving anything that is already placed elsewhere: every
         committed argument must sit where the program uses it in place."""
         homes = self._exe.homes
+        multi = jax.process_count() > 1
         for i, k in enumerate(keys):
             sh = k[3] if len(k) > 3 else None
             if sh is None or i not in homes:
                 continue
             if not _same_sharding(sh, homes[i], self._ndims[i]):
                 return False
-            if not (sh.is_fully_addressable or i in self._exe.in_place):
-                return False  # other processes hold parts of it: it cannot be put here
+            if multi and i not in self._exe.in_place:
+                # the program would put it: across processes that is a cross-host copy
+                # (impossible on CPU); and the answer must not depend on the process
+                return False
         return True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -239,14 +242,14 @@ class Compiled:
             if (
                 sh is not None
                 and i in homes
-                and not sh.is_fully_addressable
+                and jax.process_count() > 1
                 and i not in self._exe.in_place
             ):
                 raise ValueError(
-                    f"argument {names[i]} is placed as {sh}, across processes, but this "
-                    "program was compiled for it uncommitted (put by the plan); compile "
-                    "for this placement (call the mm.jit function, or lower it with this "
-                    "argument) instead."
+                    f"argument {names[i]} is committed to {sh}, but this program was "
+                    "compiled for it uncommitted (put by the plan), which a multi-process "
+                    "run cannot do for committed arrays; compile for this placement (call "
+                    "the mm.jit function, or lower it with this argument) instead."
                 )
             if sh is not None and i in homes and not _same_sharding(sh, homes[i], self._ndims[i]):
                 raise ValueError(

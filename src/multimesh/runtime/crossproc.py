@@ -71,16 +71,16 @@ def check_same_plan(
     """Every process must build the same plan for the same call (the transfers pair up by
     plan): compare this process's plan with those of the other processes holding the
     program's ``devices`` (ids), before anything runs, and name the arguments placed
-    differently instead of hanging in a transfer that never pairs. A program on this
-    process's devices only compares nothing.
+    differently instead of hanging in a transfer that never pairs. A program on one
+    process's devices, or on none of this process's, compares nothing.
 
     ``inputs`` describes where each flat argument is on this process; ``names`` are
     the arguments' paths (for the message)."""
     if timeout_s is None:  # a peer may legitimately be busy (data loading, compiling)
         timeout_s = float(os.environ.get("MULTIMESH_PLAN_TIMEOUT", "1800"))
-    group = tuple(sorted({loc.owner[int(d)] for d in devices} | {loc.me}))
-    if len(group) == 1:
-        return
+    group = tuple(sorted({loc.owner[int(d)] for d in devices}))
+    if len(group) == 1 or loc.me not in group:
+        return  # no transfer between processes, or none this process takes part in
     seq = next(_PLAN_SEQ.setdefault(group, itertools.count()))
     tag = "-".join(map(str, group))
     kv = tp.kv_client()
