@@ -102,6 +102,26 @@ def test_passed_through_key_keeps_its_committed_sharding(mesh4x2):
     assert_close(y, reference(f, mesh4x2, jnp.zeros(3), jax.random.key(3))[0])
 
 
+def test_key_output_replicated_over_every_stage(mesh4x2):
+    """A PRNG key made on stage 0, returned replicated over the global mesh: copied to
+    every stage (through its key data), equal to jax.jit's key."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def f(seed):
+        with mm.task("a", stage=0):
+            key = jax.random.fold_in(jax.random.key(0), seed)
+        with mm.task("b", stage=1):
+            y = seed * 2
+        return key, y
+
+    rep = NamedSharding(mesh4x2.mesh, PartitionSpec())
+    got, _ = mm.jit(f, mesh=mesh4x2, out_shardings=(rep, None))(jnp.uint32(5))
+    want, _ = reference(f, mesh4x2, jnp.uint32(5))
+    assert got.sharding == rep and len(got.addressable_shards) == 8
+    for sh in jax.random.key_data(got).addressable_shards:
+        np.testing.assert_array_equal(np.asarray(sh.data), np.asarray(jax.random.key_data(want)))
+
+
 def test_donate_argnums(mesh4x2):
     def step(w, x):
         with mm.task("a", stage=0):

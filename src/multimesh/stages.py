@@ -193,10 +193,10 @@ class Compiled:
         self._leaf_keys = [leaf_key(x) for x in lowered._flat]
         self._names: list[str] | None = None
         self._ndims = [len(k[0]) if len(k) > 1 else 0 for k in self._leaf_keys]
-        self._signature = lowered._plan_signature()
+        self._plan_sig = lowered._plan_signature()
 
     def _check_same_plan(self) -> None:
-        _check_same_plan(self._fn, self._call, self._signature)
+        _check_same_plan(self._fn, self._call, self._plan_sig)
 
     def _arg_names(self) -> list[str]:
         if self._names is None:

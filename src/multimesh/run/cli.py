@@ -203,15 +203,11 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
         validate_maxtext(ns, p)
 
 
-def jax_process_index() -> int:
-    import jax
-
-    return jax.process_index()
-
-
 def validate_maxtext(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     """What ``--model maxtext`` does not support (yet), as one-line errors."""
     if ns.checkpoint_dir:
+        import jax
+
         from multimesh.run.maxtext import saved_steps
 
         steps = saved_steps(ns.checkpoint_dir)
@@ -221,7 +217,7 @@ def validate_maxtext(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None
                 f"--checkpoint-dir {ns.checkpoint_dir} holds MaxText checkpoints (steps "
                 f"{steps}); pass --resume to continue from the latest, or use another directory"
             )
-        if ns.resume and jax_process_index() == 0:
+        if ns.resume and jax.process_index() == 0:
             print(
                 f"multimesh-run: MaxText resumes from its step {steps[-1]} checkpoint in "
                 f"{ns.checkpoint_dir}"

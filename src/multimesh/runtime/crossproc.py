@@ -122,9 +122,8 @@ def check_same_plan(
 
 
 def _poll(kv: Any, key: str, timeout_s: float) -> str | None:
-    """The value of ``key`` once another process sets it (``None`` after ``timeout_s``).
-    Polls with sleeps rather than a blocking get, which would hold the GIL while this
-    process's threads still have transfers of the previous call to serve."""
+    """The value of ``key`` once another process sets it (``None`` after ``timeout_s``),
+    polled with short sleeps (at most 50 ms between tries)."""
     deadline = time.monotonic() + timeout_s
     wait = 0.0005
     while True:
