@@ -5,7 +5,7 @@ Ratios are compared, never absolute times: keys containing ``ratio`` or ``_vs_``
 is better: time against a baseline) and ``speedup`` or ``efficiency`` (higher is
 better). Exit status 1 when any ratio regressed.
 
-Run:  python benchmarks/check.py [first_call dispatch pipeline ...] [--threshold 0.2]
+Run:  python benchmarks/check.py [step first_call dispatch pipeline ...] [--threshold 0.2]
       python benchmarks/check.py --compare OLD.json NEW.json
 """
 
@@ -57,7 +57,7 @@ def compare(old: Any, new: Any, threshold: float) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("benchmarks", nargs="*", default=["first_call", "dispatch", "pipeline"])
+    ap.add_argument("benchmarks", nargs="*", default=["step", "first_call", "dispatch", "pipeline"])
     ap.add_argument("--threshold", type=float, default=0.2)
     ap.add_argument("--compare", nargs=2, metavar=("OLD", "NEW"), type=Path)
     ns = ap.parse_args()

@@ -17,6 +17,17 @@ import pytest  # noqa: E402
 
 import multimesh as mm  # noqa: E402
 
+DEFAULT_TIER = "not slow and not multiprocess and not containers and not maxtext"
+
+
+def pytest_xdist_auto_num_workers(config):
+    """Workers for ``-n auto`` (pyproject's addopts): the default tier on up to 4 (one
+    per core); the tiers chosen with ``-m`` (multi-process, containers, MaxText, slow)
+    one test at a time, since each of their tests starts several processes itself."""
+    if (config.option.markexpr or "").strip() != DEFAULT_TIER:
+        return 0
+    return max(1, min(4, os.cpu_count() or 1))
+
 
 def to_np(tree):
     def conv(a):

@@ -119,3 +119,61 @@ def test_pending_values_and_jobs_in_order():
     jobs.submit(fast_failure)  # fails sooner, but later in plan order
     with pytest.raises(ZeroDivisionError, match="first"):
         jobs.wait()
+
+
+def test_one_device_stages_compile_without_waiting_for_their_producers(monkeypatch):
+    """On one-device submeshes a fragment's output layout is fixed before it compiles, so
+    a consumer's compile does not wait for its producer's: two compiles run at once."""
+    from multimesh.runtime import executor
+
+    monkeypatch.setenv("MULTIMESH_COMPILE_THREADS", "2")
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    both = threading.Barrier(2, timeout=20)
+    met = []
+    real = executor._compile
+
+    def compile_meeting(*a, **k):
+        if not met:
+            try:
+                both.wait()  # the first two compiles must be in flight together
+                met.append(True)
+            except threading.BrokenBarrierError:
+                met.append(False)
+        return real(*a, **k)
+
+    monkeypatch.setattr(executor, "_compile", compile_meeting)
+
+    def f(x):
+        with mm.task("a", stage=0):
+            y = jnp.sin(x) * 2
+        with mm.task("b", stage=1):
+            return jnp.cos(y) + 1
+
+    x = np.linspace(0, 1, 8, dtype=np.float32)
+    out = mm.jit(f, mesh=mesh)(x)
+    assert met and met[0], "the consumer's compile waited for its producer's"
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(jax.jit(f)(x)))
+    assert out.sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(mesh.submesh(1), jax.sharding.PartitionSpec()), 1
+    )
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+def test_folded_dispatch_loop_equals_step_by_step(schedule, monkeypatch):
+    """The call loop folds each same-layout transfer into its producer's step; running
+    the unfolded steps one by one (as record() does) gives the same bits."""
+    n = 2 if schedule == "interleaved-1f1b" else 4  # 4 task stages: 2 per device or 1
+    mesh = mm.make_mesh((n,), ("stage",), devices=jax.devices()[:n])
+    step = pipeline_step(schedule)
+    rng = np.random.default_rng(1)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(4)]
+    x = rng.normal(size=(8, 8)).astype(np.float32)
+    c = mm.jit(step, mesh=mesh).lower(ws, x).compile()
+    exe = c._exe
+    assert len(exe._loop) < len(exe._steps)  # transfers were folded
+    folded = c(ws, x)
+    unfolded, _timeline = c.record(ws, x)  # runs the unfolded steps
+    for a, b in zip(jax.tree.leaves(folded), jax.tree.leaves(unfolded)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(folded), jax.tree.leaves(jax.jit(step)(ws, x))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)

@@ -158,9 +158,14 @@ class Executable:
                     [v for v, _ in f.inputs], [v for v, _ in f.outputs], eqns, info.name
                 )
                 fn = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(jaxpr, []))
-                # a fragment without inputs would run on the default device: pin it
+                # a fragment without inputs would run on the default device: pin it. On a
+                # one-device submesh every layout is the same: fix it, so the fragments
+                # using these outputs need not wait for this compile (they compile at once)
+                single = mesh.size == 1
                 out_sh = tuple(
-                    force_sh.get(i, NamedSharding(mesh, PartitionSpec()) if not in_ids else None)
+                    force_sh.get(
+                        i, NamedSharding(mesh, PartitionSpec()) if single or not in_ids else None
+                    )
                     for i in out_ids
                 )
                 # donate at last use: user-donated inputs, and our own intermediates
@@ -208,7 +213,11 @@ class Executable:
                 self.compiled.append(compiled)
                 self._run_index.append(len(steps))
                 for k, i in enumerate(out_ids):
-                    slot_sh[i] = compiled.derive(lambda c, k=k: c.output_shardings[k])
+                    slot_sh[i] = (
+                        out_sh[k]
+                        if single
+                        else compiled.derive(lambda c, k=k: c.output_shardings[k])
+                    )
                 owned.update(out_ids)
                 if loc is not None and not loc.has(mesh.devices.flat):
                     continue  # another process runs it (compiled here for its shardings)
@@ -253,6 +262,7 @@ class Executable:
                 steps.append((_CALL, run, (), (), ()))
         self.compiled = [compiling.resolve(c) for c in self.compiled]
         self._steps = [_resolved_step(st) for st in steps]
+        self._loop = _fold(self._steps)
         self._template = template
         self._outs: list[Callable[[list[Any]], Any] | None] = []
         literals: list[tuple[int, Any, Any]] = []
@@ -453,16 +463,20 @@ class Executable:
                 fast_src.append(src), fast_dst.append(dst), fast_sh.append(dsh)
             else:
                 slow_src.append(src), slow_dst.append(dst), slow_sh.append(dsh)
-        copy = _compat.same_layout_copy
+        copy = _compat.same_layout_copier(fast_sh) if fast_src else None
 
         def run_transfer(env: list[Any], args: Sequence[Any]) -> None:
-            if fast_src:
-                for i, v in zip(fast_dst, copy([env[i] for i in fast_src], fast_sh)):
+            if copy is not None:
+                for i, v in zip(fast_dst, copy([env[i] for i in fast_src])):
                     env[i] = v
             if slow_src:
                 for i, v in zip(slow_dst, jax.device_put([env[i] for i in slow_src], slow_sh)):
                     env[i] = v
 
+        # a transfer of same-layout values only can run as part of its producer's step
+        run_transfer.same_layout = (  # type: ignore[attr-defined]
+            None if slow_src else (tuple(fast_src), tuple(fast_dst), copy)
+        )
         return (_CALL, run_transfer, (), (), ()), dst_sh
 
     # -- call -------------------------------------------------------------------------
@@ -518,16 +532,41 @@ class Executable:
         # (program, call) pair naming cross-process transfers and to_host outputs
         self._calls = _CALLS[self._uid] = _CALLS.get(self._uid, 0) + 1
         env = list(self._template)
-        for code, fn, ins, outs, free in self._steps:
+        for code, fn, ins, outs, free, copy in self._loop:
             if code == _RUN:
                 res = fn(*[env[i] for i in ins])
                 for i, r in zip(outs, res):
                     env[i] = r
+                if copy is not None:
+                    pos, dst, copier = copy
+                    for i, v in zip(dst, copier([res[k] for k in pos])):
+                        env[i] = v
             else:
                 fn(env, args)
             for i in free:
                 env[i] = None
         return self.finish(env)
+
+
+def _fold(steps: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The loop ``__call__`` runs: each fragment's C++ entry, and a same-layout transfer
+    of only the previous fragment's outputs folded into that fragment's step (one loop
+    iteration and one Python call fewer per transfer)."""
+    loop: list[tuple[Any, ...]] = []
+    for code, fn, ins, outs, free in steps:
+        if code == _RUN:
+            loop.append((code, _compat.fast_call(fn), ins, outs, free, None))
+            continue
+        fast = getattr(fn, "same_layout", None) if code == _CALL else None
+        prev = loop[-1] if loop else None
+        if fast is not None and prev is not None and prev[0] == _RUN and prev[5] is None:
+            src, dst, copier = fast
+            if set(src) <= set(prev[3]) and not set(src) & set(prev[4]):
+                pos = tuple(prev[3].index(i) for i in src)
+                loop[-1] = (*prev[:4], prev[4] + tuple(free), (pos, dst, copier))
+                continue
+        loop.append((code, fn, ins, outs, free, None))
+    return loop
 
 
 def _compile(body, in_sh, out_sh, donate, avals, options, info, mesh) -> Any:
