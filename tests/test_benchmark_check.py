@@ -26,3 +26,29 @@ def test_compare_flags_only_real_regressions(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "check.py"), "--compare",
                            str(a), str(b)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "mm_vs_jax: 2.000 -> 3.000 (+50% worse)" in proc.stdout
+
+
+def test_step_benchmark_runs_bit_identical_and_reports_every_target(tmp_path):
+    """benchmarks/step.py --quick: the pipelined step equals jax.jit bit for bit, and
+    the report carries both baselines and issue 14's targets (values, not timing gates)."""
+    out = tmp_path / "step.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step.py"), "--quick", "--widths", "256",
+         "--schedules", "1f1b", "interleaved-1f1b", "--repeats", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=240, cwd=ROOT / "benchmarks",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [c["schedule"] for c in res["configs"]] == ["1f1b", "interleaved-1f1b"]
+    for c in res["configs"]:
+        assert c["max_abs_diff_vs_jax"] == 0.0
+        assert c["scan_step_us"] > 0 and c["unrolled_step_us"] > 0 and c["mm_step_us"] > 0
+        assert 0 < c["return_ratio"] < 1.5
+        assert set(c["overhead_per_fragment_us"]) == {"scan", "unrolled"}
+    names = [t["target"] for t in res["targets"]]
+    assert any("interleaved vs 1f1b" in n for n in names)
+    assert any("call return" in n for n in names) and any("first call" in n for n in names)
+    assert all(isinstance(t["met"], bool) for t in res["targets"])
+    # the regression check finds the step ratios in it
+    keys = [p for p, _v, _low in check.ratios(res)]
+    assert any(k.endswith("mm_vs_scan") for k in keys) and any(k.endswith("return_ratio") for k in keys)
