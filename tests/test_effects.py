@@ -48,7 +48,9 @@ def test_io_callbacks_in_program_order(order):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want))
     assert log == ref_log == [f"t{i}" for i in range(4)]
     log.clear()
-    mm.jit(program(log, order), mesh=mmesh)(jnp.ones(4))
+    # the call returns once dispatched (as jax.jit's): wait for the result, which needs
+    # every callback, before reading the log
+    jax.block_until_ready(mm.jit(program(log, order), mesh=mmesh)(jnp.ones(4)))
     assert log == [f"t{i}" for i in range(4)]
 
 
@@ -69,7 +71,7 @@ def test_debug_print_in_program_order(capfd):
 
 def test_ordered_callbacks_on_multi_device_submeshes(mesh4x2):
     log = []
-    mm.jit(program(log, [3, 0, 2, 1]), mesh=mesh4x2)(jnp.ones(4))
+    jax.block_until_ready(mm.jit(program(log, [3, 0, 2, 1]), mesh=mesh4x2)(jnp.ones(4)))
     assert log == [f"t{i}" for i in range(4)]
 
 
