@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import gc
 import os
 import statistics
 import time
@@ -69,20 +68,6 @@ def unrolled_step(params: Any, x: Any, y: Any) -> tuple[Any, Any]:
         grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
     grads = jax.tree.map(lambda g: g / P.M, grads)
     return jax.tree.map(lambda p, g: p - P.LR * g, params, grads), total / P.M
-
-
-def steps(fn: Callable, state: Any, x: Any, y: Any, n: int) -> tuple[Any, float, float]:
-    """``n`` blocking steps: (state, median step s, median call-return s)."""
-    gc.collect()
-    total, ret = [], []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        state, val = fn(state, x, y)
-        t1 = time.perf_counter()
-        jax.block_until_ready((state, val))
-        total.append(time.perf_counter() - t0)
-        ret.append(t1 - t0)
-    return state, statistics.median(total), statistics.median(ret)
 
 
 def first_call(fn: Callable, *args: Any) -> tuple[Any, float]:
@@ -134,15 +119,15 @@ def bench(width: int, schedule: str, n: int, repeats: int) -> dict[str, Any]:
         order = ("mm", "scan", "unr") if r % 2 == 0 else ("unr", "scan", "mm")
         for which in order:
             if which == "mm":
-                p_mm, a, b = steps(mm_step, p_mm, x_mm, y_mm, n)
+                p_mm, a, b = P.run_steps(mm_step, p_mm, x_mm, y_mm, n)
                 t["mm"].append(a), t["mm_ret"].append(b)
             elif which == "scan":
                 with on_one_device():
-                    p_j, a, b = steps(jax_step, p_j, x_j, y_j, n)
+                    p_j, a, b = P.run_steps(jax_step, p_j, x_j, y_j, n)
                 t["scan"].append(a), t["scan_ret"].append(b)
             else:
                 with on_one_device():
-                    p_u, a, _b = steps(unr_step, p_u, x_j, y_j, n)
+                    p_u, a, _b = P.run_steps(unr_step, p_u, x_j, y_j, n)
                 t["unr"].append(a)
     us = {k: statistics.median(v) * 1e6 for k, v in t.items()}
     compiled = list(mm_step._cache.values())[-1]  # noqa: SLF001

@@ -17,14 +17,15 @@ import pytest  # noqa: E402
 
 import multimesh as mm  # noqa: E402
 
-DEFAULT_TIER = "not slow and not multiprocess and not containers and not maxtext"
-
 
 def pytest_xdist_auto_num_workers(config):
-    """Workers for ``-n auto`` (pyproject's addopts): the default tier on up to 4 (one
-    per core); the tiers chosen with ``-m`` (multi-process, containers, MaxText, slow)
-    one test at a time, since each of their tests starts several processes itself."""
-    if (config.option.markexpr or "").strip() != DEFAULT_TIER:
+    """Workers for ``-n auto`` (pyproject's addopts): the default tier (addopts' ``-m``)
+    on up to 4 (one per core); the tiers chosen with another ``-m`` (multi-process,
+    containers, MaxText, slow) one test at a time, since each of their tests starts
+    several processes itself."""
+    addopts = config.getini("addopts")
+    default = addopts[addopts.index("-m") + 1] if "-m" in addopts else ""
+    if (config.option.markexpr or "") != default:
         return 0
     return max(1, min(4, os.cpu_count() or 1))
 

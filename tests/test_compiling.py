@@ -159,7 +159,7 @@ def test_one_device_stages_compile_without_waiting_for_their_producers(monkeypat
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
-def test_folded_dispatch_loop_equals_step_by_step(schedule, monkeypatch):
+def test_folded_dispatch_loop_equals_step_by_step(schedule):
     """The call loop folds each same-layout transfer into its producer's step; running
     the unfolded steps one by one (as record() does) gives the same bits."""
     n = 2 if schedule == "interleaved-1f1b" else 4  # 4 task stages: 2 per device or 1
