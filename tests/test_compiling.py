@@ -38,7 +38,12 @@ def test_parallel_compile_equals_serial_and_reference(schedule, mesh4x2, monkeyp
     for threads in ("1", "4"):
         monkeypatch.setenv("MULTIMESH_COMPILE_THREADS", threads)
         c = mm.jit(step, mesh=mesh4x2).lower(ws, x).compile()
-        got[threads] = (c(ws, x), c.plan.as_text(), len(c.fragments), len(set(map(id, c.fragments))))
+        got[threads] = (
+            c(ws, x),
+            c.plan.as_text(),
+            len(c.fragments),
+            len(set(map(id, c.fragments))),
+        )
     out1, text1, n1, distinct1 = got["1"]
     out4, text4, n4, distinct4 = got["4"]
     assert text1 == text4 and n1 == n4 and distinct1 == distinct4
@@ -177,3 +182,113 @@ def test_folded_dispatch_loop_equals_step_by_step(schedule):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(jax.tree.leaves(folded), jax.tree.leaves(jax.jit(step)(ws, x))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def tp_step(ws, x):
+    """Four stages, each a tensor-parallel pair of layers on a (2,)-device submesh."""
+
+    def loss(ws, x):
+        h = x
+        for i, (a, b) in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                a = jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec(None, "model"))
+                b = jax.lax.with_sharding_constraint(b, jax.sharding.PartitionSpec("model", None))
+                h = h + jnp.tanh(jnp.tanh(h @ a) @ b)
+        return jnp.mean(h**2)
+
+    v, g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1)(ws, x)
+    return jax.tree.map(lambda w, d: w - 0.1 * d, ws, g), v
+
+
+def test_same_program_on_other_submeshes_is_relocated_not_recompiled():
+    """Stages with identical programs compile once; the others load that executable for
+    their devices (collectives included) and compute the same values as jax.jit."""
+    mesh = mm.make_mesh((4, 2), ("stage", "model"))
+    rng = np.random.default_rng(0)
+    ws = [tuple(rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(2)) for _ in range(4)]
+    x = rng.normal(size=(8, 8)).astype(np.float32)
+    with mesh:  # the reference: plain jax.jit on the global mesh
+        ref = jax.jit(tp_step)(ws, x)
+    c = mm.jit(tp_step, mesh=mesh).lower(ws, x).compile()
+    stats = c.compile_stats
+    assert stats["relocated"] >= 4, stats  # forward, backward and update of middle stages
+    assert stats["compiled"] + stats["relocated"] == c.num_executables
+    for info, frag in zip(c.plan.fragments, c.fragments):
+        shardings = jax.tree.leaves((frag.input_shardings, frag.output_shardings))
+        devs = {d.id for sh in shardings for d in sh.device_set}
+        assert devs == {d.id for d in mesh.submesh(info.stage).devices.flat}, info.name
+    out = c(ws, x)
+    for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-6)
+    # and the relocated executables report XLA's analyses like compiled ones
+    assert c.cost_analysis().per_submesh[1] == c.cost_analysis().per_submesh[2]
+    assert c.memory_analysis() is not None
+
+
+def test_microbatch_zero_shares_the_other_microbatches_executables(mesh8):
+    """Gradient accumulation starts from zeros made before the loop, so microbatch 0's
+    fragments are the same programs as the others' (no extra compile per stage)."""
+    step = pipeline_step("1f1b")
+    rng = np.random.default_rng(1)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(4)]
+    x = rng.normal(size=(8, 8)).astype(np.float32)
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    c = mm.jit(step, mesh=mesh).lower(ws, x).compile()
+    by_name = dict(zip((f.name for f in c.plan.fragments), c.fragments))
+    loop = [f for f in c.plan.fragments if ":" in f.name]  # "s<stage>:<actions>"
+    kinds: dict[str, set[int]] = {}
+    for f in loop:  # "s3:F2+B2" -> "s3:F+B"
+        kind = (
+            f.name.split(":")[0]
+            + ":"
+            + "".join(ch for ch in f.name.split(":")[1] if not ch.isdigit())
+        )
+        kinds.setdefault(kind, set()).add(id(by_name[f.name]))
+    assert len(kinds) >= 5 and all(len(ids) == 1 for ids in kinds.values()), kinds
+    assert all(len(ids) == 1 for ids in kinds.values()), kinds
+    out = c(ws, x)
+    ref = jax.jit(step)(ws, x)
+    for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
+def test_device_free_keys():
+    d = jax.devices()
+    m01 = jax.sharding.Mesh(np.array(d[0:2]), ("x",))
+    m23 = jax.sharding.Mesh(np.array(d[2:4]), ("x",))
+    m32 = jax.sharding.Mesh(np.array([d[3], d[2]]), ("x",))
+    ns = jax.sharding.NamedSharding
+    P = jax.sharding.PartitionSpec
+    k01 = compiling.device_free_key(m01, (m01, ns(m01, P("x")), d[1]))
+    k23 = compiling.device_free_key(m23, (m23, ns(m23, P("x")), d[3]))
+    assert k01 == k23
+    assert compiling.device_free_key(m23, (m23, ns(m23, P()), d[3])) != k01
+    assert compiling.device_free_key(m23, (m23, ns(m32, P("x")), d[3])) != k01  # order
+    assert compiling.device_free_key(m23, (ns(m01, P("x")),)) is None  # foreign devices
+    one = jax.sharding.SingleDeviceSharding
+    assert compiling.device_free_key(m23, (one(d[2]),)) == compiling.device_free_key(
+        m01, (one(d[0]),)
+    )
+    assert compiling.device_free_key(m23, (object(),)) is None  # unknown placement kinds
+
+
+def test_callbacks_are_compiled_not_relocated(mesh8):
+    """An executable with a host callback cannot be moved: it is compiled for each
+    submesh, and every callback still runs."""
+    seen = []
+
+    def f(x):
+        for i in range(2):
+            with mm.task(f"s{i}", stage=i):
+                x = x * 2
+                jax.debug.callback(lambda v, i=i: seen.append((i, float(v))), x.sum())
+        return x
+
+    mesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    c = mm.jit(f, mesh=mesh).lower(jnp.ones(4)).compile()
+    assert c.compile_stats["relocated"] == 0
+    out = c(jnp.ones(4))
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    np.testing.assert_array_equal(np.asarray(out), np.full(4, 4.0))
+    assert sorted(seen) == [(0, 8.0), (1, 16.0)]

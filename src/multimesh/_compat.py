@@ -172,6 +172,62 @@ def fast_call(compiled: Any) -> Callable[..., Any]:
     return call
 
 
+def relocate_compiled(compiled: Any, mapping: dict[int, Any]) -> Any:
+    """``compiled`` loaded for other devices, without compiling again.
+
+    Device ``d`` of ``compiled`` becomes ``mapping[d.id]`` (same process, same platform).
+    XLA's code does not depend on which devices run it, only on their logical
+    positions, so the serialized executable is loaded with a new device assignment, as
+    JAX's own compilation cache does across device assignments on GPU. Raises
+    ``ValueError`` for what cannot move: host callbacks, effects, constants, devices
+    missing from ``mapping``.
+    """
+    import io
+
+    from jax._src import compiler as _compiler
+    from jax.experimental import serialize_executable as _se
+
+    unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+    if unloaded is None:
+        raise ValueError("this executable does not support serialization")
+    if (
+        unloaded.host_callbacks
+        or unloaded.keepalive
+        or unloaded.ordered_effects
+        or unloaded.unordered_effects
+    ):
+        raise ValueError("executables with host callbacks or effects are not relocated")
+    src = list(unloaded.device_list)
+    try:
+        dst = [mapping[d.id] for d in src]
+    except KeyError:
+        raise ValueError("the executable uses devices outside the mapping") from None
+    backend = dst[0].client
+    options = _compiler.get_compile_options(
+        num_replicas=1,
+        num_partitions=len(dst),
+        device_assignment=np.array([[d.id for d in dst]]),
+        backend=backend,
+    )
+    device_list = _xc.DeviceList(tuple(dst))
+    data, in_tree, out_tree = _se.serialize(compiled)
+
+    class _Unpickler(_se._JaxPjrtUnpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            if pid[0] == "exec":
+                return backend.deserialize_executable(pid[1], device_list, options)
+            if pid[0] == "device":
+                if pid[1] not in mapping:
+                    raise ValueError("the executable refers to a device outside the mapping")
+                return mapping[pid[1]]
+            return super().persistent_load(pid)
+
+    moved, args_info_flat, no_kwargs = _Unpickler(io.BytesIO(data), backend, dst).load()
+    return jax.stages.Compiled(
+        moved.load(), [], in_tree.unflatten(args_info_flat), out_tree, no_kwargs=no_kwargs
+    )
+
+
 def make_jaxpr_obj(
     invars: list[Any], outvars: list[Any], eqns: list[Any], name: str = "fragment"
 ) -> Any:

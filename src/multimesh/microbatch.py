@@ -168,12 +168,19 @@ def microbatch(
                 per_mb: list[tuple[Any, Any]] = []
                 red = None
                 for k in range(M):
-                    with jax.named_scope(f"mb{k}@mm:L{loop}"):
+                    scope = f"mb{k}@mm:L{loop}"
+                    with jax.named_scope(scope):
                         out, aux = call(pieces[k])
                         if red is None:
                             red = _reduce_tree(reduce, out)
                         summed = jax.tree.map(lambda r, o: None if r == "stack" else o, red, out)
-                        acc = summed if acc is None else jax.tree.map(_add, acc, summed)
+                    if acc is None:
+                        # start from zeros made outside the loop (as the reference scan
+                        # does), so that microbatch 0's work is the same program as every
+                        # other microbatch's and shares its executable
+                        acc = jax.tree.map(_zeros, summed)
+                    with jax.named_scope(scope):
+                        acc = jax.tree.map(_add, acc, summed)
                     per_mb.append(
                         (jax.tree.map(lambda r, o: o if r == "stack" else None, red, out), aux)
                     )
@@ -214,6 +221,14 @@ def _check_leaf(i: int, path: Any, shape: tuple[int, ...], M: int, axis: int, st
 
 def _add(a: Any, b: Any) -> Any:
     return None if a is None else jnp.add(a, b)
+
+
+def _zeros(x: Any) -> Any:
+    if x is None:
+        return None
+    shape = jnp.shape(x)
+    # through a reshape: a scalar zero would otherwise be a literal inside the consumer
+    return jnp.zeros((1, *shape), jnp.result_type(x)).reshape(shape)
 
 
 def _stack(trees: list[Any]) -> Any:

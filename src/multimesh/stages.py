@@ -282,6 +282,14 @@ class Compiled:
         return self._exe.num_executables
 
     @property
+    def compile_stats(self) -> dict[str, int]:
+        """How this compile made its executables: ``compiled`` by XLA, or ``relocated``
+        (the executable of the same program on another submesh of the same shape, loaded
+        for this one's devices in milliseconds). Fragments identical to one made earlier
+        (by this ``mm.jit``) count in neither."""
+        return self._exe.compile_stats.as_dict()
+
+    @property
     def output_shardings(self) -> Any:
         """Where each output lands (a pytree of shardings, like ``jax.stages.Compiled``)."""
         return jax.tree_util.tree_unflatten(self.out_tree, self._exe.output_shardings)

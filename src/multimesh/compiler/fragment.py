@@ -185,6 +185,19 @@ def fragment(
             stack.extend(groups[x].succ)
         return False
 
+    def reaches(g: int, h: int) -> bool:
+        """Is there a path g -> ... -> h?"""
+        seen: set[int] = set()
+        stack = list(groups[g].succ)
+        while stack:
+            x = stack.pop()
+            if x == h:
+                return True
+            if x not in seen:
+                seen.add(x)
+                stack.extend(groups[x].succ)
+        return False
+
     def merge(into: int, other: int) -> None:
         gi, go = groups[into], groups[other]
         gi.eqns |= go.eqns
@@ -280,6 +293,14 @@ def fragment(
                     and gp.mb == gc.mb
                     and not sends(prev)
                     and not reaches_via_other(prev, gid)
+                ) or (
+                    # independent work outside loops (e.g. the loss and the optimizer
+                    # update): one fragment, one compile, one launch
+                    gp.mb is None
+                    and gc.mb is None
+                    and not sends(prev)
+                    and not reaches(prev, gid)
+                    and not reaches(gid, prev)
                 ):
                     merge(prev, gid)
                     continue
@@ -568,3 +589,8 @@ def wire(prog: FlatProgram, placement: Placement, frags: list[Fragment]) -> None
             continue
         if any(c != k for c in consumers):
             frags[k].outputs.append(slot)
+    # outputs in program order: the same work for another microbatch (or stage) then has
+    # the same signature, so it shares (or relocates) one executable
+    where = {o: (i, j) for i, e in enumerate(prog.eqns) for j, o in enumerate(e.outvars)}
+    for f in frags:
+        f.outputs.sort(key=lambda slot: where[slot[0]])

@@ -23,6 +23,8 @@ import weakref
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
+import jax
+
 from multimesh import _compat
 
 _compat.register_exclusion(__file__)
@@ -162,3 +164,144 @@ def compile_once(cache: dict[Hashable, Any], key: Hashable, build: Callable[[], 
         cache[key] = value
     mine.set_result(value)
     return value
+
+
+# --- one compile for every submesh of the same shape ---------------------------------------
+
+
+class _Foreign(Exception):
+    """A placement that does not map onto the fragment's submesh by position."""
+
+
+def embedded_placements(jaxpr: Any) -> tuple[Any, ...]:
+    """Every sharding, mesh or device named in ``jaxpr``'s equation parameters (sharding
+    constraints, device_put targets, ...), sub-jaxprs included: the text of a jaxpr
+    does not show which devices these refer to."""
+    found: list[Any] = []
+
+    def walk_value(v: Any) -> None:
+        if isinstance(v, (jax.sharding.Sharding, jax.sharding.Mesh, jax.Device)):
+            found.append(v)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                walk_value(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk_value(x)
+        elif hasattr(v, "eqns") and hasattr(v, "invars"):
+            walk(v)
+        elif hasattr(v, "jaxpr") and hasattr(v, "consts"):
+            walk(v.jaxpr)
+
+    def walk(j: Any) -> None:
+        for e in j.eqns:
+            for v in e.params.values():
+                walk_value(v)
+
+    walk(jaxpr)
+    return tuple(found)
+
+
+def device_free_key(mesh: jax.sharding.Mesh, parts: Any) -> Hashable | None:
+    """``parts`` with every device replaced by its position in ``mesh`` (row-major), or
+    ``None`` when a placement is not a ``NamedSharding``/mesh/device inside ``mesh``.
+
+    Two fragments with equal keys on submeshes of one shape differ only in which
+    devices run them: one compiled executable serves both (``relocate``)."""
+    pos = {d.id: k for k, d in enumerate(mesh.devices.flat)}
+
+    def norm(x: Any) -> Any:
+        if x is None or isinstance(x, (str, int, float, bool)):
+            return x
+        if isinstance(x, (tuple, list)):
+            return tuple(norm(v) for v in x)
+        if isinstance(x, jax.sharding.NamedSharding):
+            return ("named", norm(x.mesh), x.spec, x.memory_kind)
+        if isinstance(x, jax.sharding.SingleDeviceSharding):
+            return ("single", norm(next(iter(x.device_set))), x.memory_kind)
+        if isinstance(x, jax.sharding.AbstractMesh):  # no devices
+            return ("abstract", x)
+        if isinstance(x, jax.sharding.Mesh):
+            types = tuple(str(t) for t in getattr(x, "axis_types", ()))
+            return ("mesh", x.axis_names, x.devices.shape, types, norm(list(x.devices.flat)))
+        if isinstance(x, jax.Device):
+            if x.id not in pos:
+                raise _Foreign
+            return ("device", pos[x.id])
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return ("aval", x.shape, str(x.dtype), x.weak_type, norm(x.sharding))
+        raise _Foreign
+
+    try:
+        return norm(parts)
+    except _Foreign:
+        return None
+
+
+class CompileStats:
+    """How a plan's executables were made: ``compiled`` by XLA, or ``relocated`` (another
+    submesh's executable loaded for these devices)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.compiled = 0
+        self.relocated = 0
+
+    def add(self, what: str) -> None:
+        with self._lock:
+            setattr(self, what, getattr(self, what) + 1)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"compiled": self.compiled, "relocated": self.relocated}
+
+
+def compile_or_relocate(
+    cache: dict[Hashable, Any],
+    rkey: Hashable | None,
+    mesh: jax.sharding.Mesh,
+    build: Callable[[], Any],
+    stats: CompileStats,
+) -> Any:
+    """``build()``, or the executable already built for the same device-free key on
+    another submesh, loaded for ``mesh``'s devices (milliseconds instead of a compile).
+    The first fragment of a key compiles; later ones wait for it, then relocate."""
+    if rkey is None or not _local(mesh):
+        stats.add("compiled")
+        return build()
+    slot = ("relocatable", rkey)
+    with _CACHE_LOCK:
+        hit = cache.get(slot)
+        if hit is None:
+            mine: cf.Future = cf.Future()
+            cache[slot] = mine
+    if hit is None:
+        try:
+            compiled = build()
+        except BaseException as e:
+            with _CACHE_LOCK:
+                cache.pop(slot, None)
+            mine.set_exception(e)
+            raise
+        stats.add("compiled")
+        mine.set_result((compiled, mesh))
+        return compiled
+    try:
+        src, src_mesh = hit.result()
+    except Exception:  # noqa: BLE001 - that compile's error is raised by its own fragment
+        stats.add("compiled")
+        return build()
+    mapping = dict(zip((d.id for d in src_mesh.devices.flat), mesh.devices.flat))
+    try:
+        moved = _compat.relocate_compiled(src, mapping)
+    except ValueError:  # callbacks, effects, constants: compile it here
+        stats.add("compiled")
+        return build()
+    stats.add("relocated")
+    return moved
+
+
+def _local(mesh: jax.sharding.Mesh) -> bool:
+    """Relocation is for one-process runs (multi-process runs compile every fragment;
+    their executables are also compiled for other processes' devices, which cannot be
+    loaded here)."""
+    return jax.process_count() == 1

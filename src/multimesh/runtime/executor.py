@@ -112,6 +112,9 @@ class Executable:
         cache: dict[Any, Any] = exe_cache if exe_cache is not None else {}
         options = dict(compiler_options or {})
         opt_key = tuple(sorted((k, str(v)) for k, v in options.items()))
+        #: how this plan's executables were made (compiled, or relocated from a submesh
+        #: of the same shape running the same program)
+        self.compile_stats = stats = compiling.CompileStats()
         owned: set[int] = set()  # slots holding buffers only the runtime references
         donatable: set[int] = set()  # input slots of donated arguments
         borrowed: set[int] = set()  # slots holding the caller's buffers (or constants)
@@ -202,11 +205,21 @@ class Executable:
                     # identical fragments (e.g. one stage's work for each microbatch, or
                     # the same program planned for other input placements) share one
                     # executable
-                    key = (str(jaxpr), in_sh, out_sh, donate, tuple(avals), opt_key)
+                    placed = compiling.embedded_placements(jaxpr)
+                    key = (str(jaxpr), in_sh, out_sh, donate, tuple(avals), opt_key, placed)
+                    # ... and so do fragments that differ only in which submesh (of one
+                    # shape) runs them: one compile, loaded for the other devices
+                    rkey = compiling.device_free_key(
+                        mesh, (mesh, key[0], in_sh, out_sh, donate, avals, opt_key, placed)
+                    )
+
+                    def build() -> Any:
+                        return _compile(body, in_sh, out_sh, donate, avals, options, info, mesh)
+
                     return compiling.compile_once(
                         cache,
                         key,
-                        lambda: _compile(body, in_sh, out_sh, donate, avals, options, info, mesh),
+                        lambda: compiling.compile_or_relocate(cache, rkey, mesh, build, stats),
                     )
 
                 compiled = jobs.submit(job)
