@@ -292,3 +292,55 @@ def test_callbacks_are_compiled_not_relocated(mesh8):
     jax.effects_barrier()
     np.testing.assert_array_equal(np.asarray(out), np.full(4, 4.0))
     assert sorted(seen) == [(0, 8.0), (1, 16.0)]
+
+
+_CACHED_RUN = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import numpy as np
+import multimesh as mm
+sys.path.insert(0, sys.argv[1])
+from test_compiling import pipeline_step
+
+step = pipeline_step("1f1b")
+rng = np.random.default_rng(2)
+ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(4)]
+x = rng.normal(size=(8, 8)).astype(np.float32)
+mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+c = mm.jit(step, mesh=mesh).lower(ws, x).compile()
+out, ref = c(ws, x), jax.jit(step)(ws, x)
+diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+           for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+print(json.dumps({"stats": c.compile_stats, "diff": diff}))
+"""
+
+
+def test_persistent_compilation_cache_restart_runs_every_fragment(tmp_path):
+    """With JAX's persistent cache, fragments compile (and later load) through it: a
+    restarted process gets correct results (a relocated copy of a cache-loaded executable
+    would fail at run time on XLA:CPU)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.update(
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+    here = os.path.dirname(__file__)
+    for _ in range(2):  # the first process fills the cache, the second loads from it
+        proc = subprocess.run(
+            [sys.executable, "-c", _CACHED_RUN, here],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert got["stats"]["relocated"] == 0 and got["diff"] == 0.0, got
+    assert any((tmp_path / "cache").iterdir())

@@ -172,6 +172,17 @@ def fast_call(compiled: Any) -> Callable[..., Any]:
     return call
 
 
+def persistent_cache_on() -> bool:
+    """Whether JAX's persistent compilation cache is in use (a cache directory is set).
+
+    Executables it loads are deserialized ones, which XLA:CPU cannot serialize again
+    whole (a relocated copy fails at run time with "Function ... not found"); with the
+    cache on, every fragment compiles (or loads) through it instead."""
+    return bool(jax.config.jax_compilation_cache_dir) and bool(
+        jax.config.jax_enable_compilation_cache
+    )
+
+
 def relocate_compiled(compiled: Any, mapping: dict[int, Any]) -> Any:
     """``compiled`` loaded for other devices, without compiling again.
 

@@ -39,6 +39,7 @@ from multimesh.compiler import inline, label, layers
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.rules import Rules
 from multimesh.mesh import MultiMesh, active_multimesh, reset_active, set_active
+from multimesh.runtime import compiling
 from multimesh.stages import Compiled, Lowered, Traced
 from multimesh.tasks import TraceState, tracing
 
@@ -270,8 +271,9 @@ class MpmdFunction:
         return self._lower(call, flat, in_tree, key)
 
     def _lower(self, call: Call, flat: list[Any], in_tree: Any, key: Hashable) -> Lowered:
-        traced = self._trace(call, flat, in_tree, _abstract(key))
-        return Lowered(self, call, flat, traced, key, self._out_sharding_leaves(traced))
+        with compiling.gc_paused():
+            traced = self._trace(call, flat, in_tree, _abstract(key))
+            return Lowered(self, call, flat, traced, key, self._out_sharding_leaves(traced))
 
     def _compiled_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
         call, flat, in_tree, keys, key = self._prepare(args, kwargs)

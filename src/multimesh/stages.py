@@ -23,6 +23,7 @@ from multimesh.compiler import fragment as frag_pass
 from multimesh.compiler import layers, pack, place
 from multimesh.compiler import plan as plan_pass
 from multimesh.compiler.ir import FlatProgram, Labels
+from multimesh.runtime import compiling
 from multimesh.runtime.executor import Executable
 from multimesh.runtime.inputs import InputInfo, analyze, committed_sharding
 
@@ -139,7 +140,16 @@ class Lowered:
         labels = self._labels
         put_sh = fn._put_shardings(labels, self._call, self._flat)
         _check_same_plan(fn, self._call, self._plan_signature())
-        exe = Executable(
+        with compiling.gc_paused():
+            exe = self._executable(fn, mmesh, labels, put_sh, compiler_options)
+        compiled = Compiled(exe, self, fn)
+        fn._register(self._key, compiled)
+        return compiled
+
+    def _executable(
+        self, fn: Any, mmesh: Any, labels: Any, put_sh: Any, compiler_options: Any
+    ) -> Executable:
+        return Executable(
             self._prog,
             labels,
             self.plan,
@@ -155,9 +165,6 @@ class Lowered:
             pieces=self._pieces,
             assembled=self._assembled,
         )
-        compiled = Compiled(exe, self, fn)
-        fn._register(self._key, compiled)
-        return compiled
 
 
 def _check_same_plan(
