@@ -174,13 +174,16 @@ def microbatch(
                         if red is None:
                             red = _reduce_tree(reduce, out)
                         summed = jax.tree.map(lambda r, o: None if r == "stack" else o, red, out)
-                    if acc is None:
-                        # start from zeros made outside the loop (as the reference scan
-                        # does), so that microbatch 0's work is the same program as every
-                        # other microbatch's and shares its executable
-                        acc = jax.tree.map(_zeros, summed)
-                    with jax.named_scope(scope):
-                        acc = jax.tree.map(_add, acc, summed)
+                    if M == 1:
+                        acc = summed
+                    else:
+                        if acc is None:
+                            # start from zeros made outside the loop (as the reference
+                            # scan does), so that microbatch 0's work is the same program
+                            # as every other microbatch's and shares its executable
+                            acc = jax.tree.map(_zeros, summed)
+                        with jax.named_scope(scope):
+                            acc = jax.tree.map(_add, acc, summed)
                     per_mb.append(
                         (jax.tree.map(lambda r, o: o if r == "stack" else None, red, out), aux)
                     )
