@@ -344,3 +344,19 @@ def test_persistent_compilation_cache_restart_runs_every_fragment(tmp_path):
         got = json.loads(proc.stdout.strip().splitlines()[-1])
         assert got["stats"]["relocated"] == 0 and got["diff"] == 0.0, got
     assert any((tmp_path / "cache").iterdir())
+
+
+def test_relocation_can_be_switched_off(monkeypatch):
+    """MULTIMESH_RELOCATE=0 compiles every distinct fragment (same values)."""
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    step = pipeline_step("1f1b")
+    rng = np.random.default_rng(3)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(4)]
+    x = rng.normal(size=(8, 8)).astype(np.float32)
+    on = mm.jit(step, mesh=mesh).lower(ws, x).compile()
+    monkeypatch.setenv("MULTIMESH_RELOCATE", "0")
+    off = mm.jit(step, mesh=mesh).lower(ws, x).compile()
+    assert on.compile_stats["relocated"] > 0 and off.compile_stats["relocated"] == 0
+    assert off.compile_stats["compiled"] == on.num_executables == off.num_executables
+    for a, b in zip(jax.tree.leaves(on(ws, x)), jax.tree.leaves(off(ws, x))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

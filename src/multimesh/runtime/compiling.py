@@ -319,8 +319,10 @@ def compile_or_relocate(
 
 
 def _local(mesh: jax.sharding.Mesh) -> bool:
-    """Relocation is for one-process runs (multi-process runs compile every fragment;
+    """Relocation (unless ``MULTIMESH_RELOCATE=0``) is for one-process runs (multi-process runs compile every fragment;
     their executables are also compiled for other processes' devices, which cannot be
     loaded here) without JAX's persistent compilation cache (which already makes a
     repeated compile cheap, and whose loaded executables cannot be moved again)."""
+    if os.environ.get("MULTIMESH_RELOCATE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False  # the escape hatch: compile every fragment
     return jax.process_count() == 1 and not _compat.persistent_cache_on()
