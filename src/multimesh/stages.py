@@ -141,30 +141,25 @@ class Lowered:
         put_sh = fn._put_shardings(labels, self._call, self._flat)
         _check_same_plan(fn, self._call, self._plan_signature())
         with compiling.gc_paused():
-            exe = self._executable(fn, mmesh, labels, put_sh, compiler_options)
+            exe = Executable(
+                self._prog,
+                labels,
+                self.plan,
+                self.input_infos,
+                self._flat,
+                put_sh,
+                fn._signature.donated_leaves(self._call),
+                mmesh.stage_axis if mmesh is not None else None,
+                mmesh.mesh if mmesh is not None else None,
+                out_shardings=self._out_shardings,
+                compiler_options=compiler_options,
+                exe_cache=fn._exe_cache,
+                pieces=self._pieces,
+                assembled=self._assembled,
+            )
         compiled = Compiled(exe, self, fn)
         fn._register(self._key, compiled)
         return compiled
-
-    def _executable(
-        self, fn: Any, mmesh: Any, labels: Any, put_sh: Any, compiler_options: Any
-    ) -> Executable:
-        return Executable(
-            self._prog,
-            labels,
-            self.plan,
-            self.input_infos,
-            self._flat,
-            put_sh,
-            fn._signature.donated_leaves(self._call),
-            mmesh.stage_axis if mmesh is not None else None,
-            mmesh.mesh if mmesh is not None else None,
-            out_shardings=self._out_shardings,
-            compiler_options=compiler_options,
-            exe_cache=fn._exe_cache,
-            pieces=self._pieces,
-            assembled=self._assembled,
-        )
 
 
 def _check_same_plan(

@@ -187,16 +187,7 @@ def fragment(
 
     def reaches(g: int, h: int) -> bool:
         """Is there a path g -> ... -> h?"""
-        seen: set[int] = set()
-        stack = list(groups[g].succ)
-        while stack:
-            x = stack.pop()
-            if x == h:
-                return True
-            if x not in seen:
-                seen.add(x)
-                stack.extend(groups[x].succ)
-        return False
+        return h in groups[g].succ or reaches_via_other(g, h)
 
     def merge(into: int, other: int) -> None:
         gi, go = groups[into], groups[other]

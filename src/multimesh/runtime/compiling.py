@@ -283,46 +283,42 @@ def compile_or_relocate(
     """``build()``, or the executable already built for the same device-free key on
     another submesh, loaded for ``mesh``'s devices (milliseconds instead of a compile).
     The first fragment of a key compiles; later ones wait for it, then relocate."""
-    if rkey is None or not _local(mesh):
+
+    def compile_here() -> Any:
         stats.add("compiled")
         return build()
-    slot = ("relocatable", rkey)
-    with _CACHE_LOCK:
-        hit = cache.get(slot)
-        if hit is None:
-            mine: cf.Future = cf.Future()
-            cache[slot] = mine
-    if hit is None:
-        try:
-            compiled = build()
-        except BaseException as e:
-            with _CACHE_LOCK:
-                cache.pop(slot, None)
-            mine.set_exception(e)
-            raise
-        stats.add("compiled")
-        mine.set_result((compiled, mesh))
-        return compiled
+
+    if rkey is None or not _relocation_on():
+        return compile_here()
+    claimed: list[bool] = []  # this fragment is the one that compiles the key
+
+    def first() -> tuple[Any, jax.sharding.Mesh]:
+        claimed.append(True)
+        return compile_here(), mesh
+
     try:
-        src, src_mesh = hit.result()
-    except Exception:  # noqa: BLE001 - that compile's error is raised by its own fragment
-        stats.add("compiled")
-        return build()
+        src, src_mesh = compile_once(cache, ("relocatable", rkey), first)
+    except Exception:  # noqa: BLE001 - another fragment's error is raised by that fragment
+        if claimed:
+            raise
+        return compile_here()
+    if claimed:
+        return src
     mapping = dict(zip((d.id for d in src_mesh.devices.flat), mesh.devices.flat))
     try:
         moved = _compat.relocate_compiled(src, mapping)
     except ValueError:  # callbacks, effects, constants: compile it here
-        stats.add("compiled")
-        return build()
+        return compile_here()
     stats.add("relocated")
     return moved
 
 
-def _local(mesh: jax.sharding.Mesh) -> bool:
-    """Relocation (unless ``MULTIMESH_RELOCATE=0``) is for one-process runs (multi-process runs compile every fragment;
-    their executables are also compiled for other processes' devices, which cannot be
-    loaded here) without JAX's persistent compilation cache (which already makes a
-    repeated compile cheap, and whose loaded executables cannot be moved again)."""
+def _relocation_on() -> bool:
+    """Relocation (unless ``MULTIMESH_RELOCATE=0``) is for one-process runs (multi-process
+    runs compile every fragment; their executables are also compiled for other processes'
+    devices, which cannot be loaded here) without JAX's persistent compilation cache (which
+    already makes a repeated compile cheap, and whose loaded executables cannot be moved
+    again)."""
     if os.environ.get("MULTIMESH_RELOCATE", "1").strip().lower() in ("0", "false", "no", "off"):
         return False  # the escape hatch: compile every fragment
     return jax.process_count() == 1 and not _compat.persistent_cache_on()
