@@ -12,7 +12,7 @@ import multimesh as mm
 from multimesh.runtime import compiling
 
 
-def pipeline_step(schedule: str):
+def pipeline_step(schedule: str, reduce: str = "sum"):
     def loss(ws, x):
         h = x
         for i, w in enumerate(ws):
@@ -21,19 +21,20 @@ def pipeline_step(schedule: str):
         return jnp.mean(h**2)
 
     def step(ws, x):
-        v, g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1, schedule=schedule)(ws, x)
+        vg = jax.value_and_grad(loss)
+        v, g = mm.microbatch(vg, 4, argnums=1, schedule=schedule, reduce=reduce)(ws, x)
         return [w - 0.1 * d for w, d in zip(ws, g)], v
 
     return step
 
 
-def one_device_pipeline(seed: int):
-    """``pipeline_step("1f1b")`` with its arguments, on four one-device submeshes."""
+def one_device_pipeline(seed: int, reduce: str = "sum"):
+    """``pipeline_step("1f1b", reduce)`` with its arguments, on four one-device submeshes."""
     rng = np.random.default_rng(seed)
     ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(4)]
     x = rng.normal(size=(8, 8)).astype(np.float32)
     mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
-    return pipeline_step("1f1b"), ws, x, mesh
+    return pipeline_step("1f1b", reduce), ws, x, mesh
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
@@ -238,7 +239,7 @@ def test_microbatch_zero_shares_the_other_microbatches_executables():
     """Gradient accumulation starts from zeros made before the loop, so microbatch 0's
     fragments are the same programs as the others' (no extra compile per stage); the
     last stage's loss and update, independent work after the loop, are one fragment."""
-    step, ws, x, mesh = one_device_pipeline(1)
+    step, ws, x, mesh = one_device_pipeline(1, reduce="mean")  # the loss is divided by M
     c = mm.jit(step, mesh=mesh).lower(ws, x).compile()
     by_name = dict(zip((f.name for f in c.plan.fragments), c.fragments))
     loop = [f for f in c.plan.fragments if ":" in f.name]  # "s<stage>:<actions>"
