@@ -194,6 +194,101 @@ def test_folded_dispatch_loop_equals_step_by_step(schedule):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+def test_replicated_stages_compile_without_waiting_for_their_producers(monkeypatch):
+    """On multi-device submeshes, a fragment whose inputs are replicated and which names
+    no sharding makes replicated outputs: fixed before it compiles, so its consumer (on
+    another submesh) compiles at the same time as it does."""
+    from multimesh.runtime import executor
+
+    monkeypatch.setenv("MULTIMESH_COMPILE_THREADS", "2")
+    mesh = mm.make_mesh((2, 2), ("stage", "data"), devices=jax.devices()[:4])
+    consumer_started = threading.Event()
+    waited: list[bool] = []
+    real = executor._compile
+
+    def compile_spy(body, in_sh, out_sh, donate, avals, options, info, mesh_):
+        if info.tasks == ("b",):
+            consumer_started.set()
+        elif info.tasks == ("a",):
+            waited.append(consumer_started.wait(timeout=20))  # the producer's compile
+        return real(body, in_sh, out_sh, donate, avals, options, info, mesh_)
+
+    monkeypatch.setattr(executor, "_compile", compile_spy)
+
+    def f(w, x):
+        with mm.task("a", stage=0):
+            y = jnp.tanh(x @ w)
+        with mm.task("b", stage=1):
+            return jnp.cos(y @ w).sum(0)
+
+    rng = np.random.default_rng(1)
+    w = rng.normal(size=(8, 8)).astype(np.float32)
+    x = rng.normal(size=(4, 8)).astype(np.float32)
+    out = mm.jit(f, mesh=mesh)(w, x)
+    assert waited == [True], "the consumer's compile waited for its producer's"
+    np.testing.assert_allclose(np.asarray(out), np.asarray(jax.jit(f)(w, x)), rtol=1e-6)
+    assert out.sharding.is_fully_replicated
+
+
+def test_outputs_replicated_only_when_nothing_is_sharded():
+    mesh = mm.make_mesh((2, 2), ("stage", "data"), devices=jax.devices()[:4]).submesh(0)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    row = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    x = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+
+    def jaxpr(fn):
+        return jax.make_jaxpr(fn)(x).jaxpr
+
+    plain = jaxpr(lambda a: jax.jit(jnp.sin)(a) @ a)  # a nested jit names only its ctx mesh
+    assert compiling.outputs_replicated([rep], mesh, plain, [x])
+    assert not compiling.outputs_replicated([row], mesh, plain, [x])  # a sharded input
+    assert not compiling.outputs_replicated([compiling.Pending(None)], mesh, plain, [x])
+    assert not compiling.outputs_replicated([], mesh, plain, [x])  # no inputs: no layout
+    constrained = jaxpr(lambda a: jax.lax.with_sharding_constraint(a * 2, row))
+    assert not compiling.outputs_replicated([rep], mesh, constrained, [x])
+    replicate = jaxpr(lambda a: jax.lax.with_sharding_constraint(a * 2, rep))
+    assert compiling.outputs_replicated([rep], mesh, replicate, [x])
+    mapped = jaxpr(
+        jax.shard_map(
+            lambda a: a * jax.lax.axis_index("data"),
+            mesh=mesh,
+            in_specs=jax.sharding.PartitionSpec(),
+            out_specs=jax.sharding.PartitionSpec("data"),
+        )
+    )
+    assert not compiling.outputs_replicated([rep], mesh, mapped, [x])
+    other = mm.make_mesh((2, 2), ("stage", "data"), devices=jax.devices()[:4]).submesh(1)
+    on_other = jax.sharding.NamedSharding(other, jax.sharding.PartitionSpec())
+    assert not compiling.outputs_replicated([on_other], mesh, plain, [x])
+
+
+def test_submit_after_runs_once_its_dependency_is_done():
+    jobs = compiling.Jobs(2)
+    gate = threading.Event()
+    order: list[str] = []
+
+    def first():
+        gate.wait(timeout=20)
+        order.append("first")
+        return 1
+
+    dep = jobs.submit(first)
+    after = jobs.submit_after(dep, lambda: order.append("after") or 2)
+    other = jobs.submit(lambda: order.append("other") or 3)  # not held up by `after`
+    other._future.result(timeout=20)
+    gate.set()
+    jobs.wait()
+    assert order == ["other", "first", "after"]
+    assert (dep.get(), after.get(), other.get()) == (1, 2, 3)
+    # a failed dependency still runs the job (it decides what to do); errors in order
+    jobs = compiling.Jobs(2)
+    bad = jobs.submit(lambda: 1 / 0)
+    ran = jobs.submit_after(bad, lambda: "ran")
+    assert ran._future.result(timeout=20) == "ran"
+    with pytest.raises(ZeroDivisionError):
+        jobs.wait()
+
+
 def tp_step(ws, x):
     """Four stages, each a tensor-parallel pair of layers on a (2,)-device submesh."""
 
@@ -256,6 +351,39 @@ def test_microbatch_zero_shares_the_other_microbatches_executables():
     assert outside == ["stage3", "stage3#1"], outside  # before the loop, after it
     out = c(ws, x)
     ref = jax.jit(step)(ws, x)
+    for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
+def test_work_no_loop_needs_runs_after_the_loop():
+    """An optimizer's gradient-free arithmetic (the momentum decay ``0.9 * m``) runs after
+    the microbatch loop with the update it feeds, not before it: the fragments before
+    the loop only make what the loop needs (zeros, microbatch slices)."""
+
+    def loss(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                h = h + jnp.tanh(h @ w)
+        return jnp.mean(h**2)
+
+    def step(ws, ms, x):
+        v, g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1)(ws, x)
+        ms = [0.9 * m + d for m, d in zip(ms, g)]
+        return [w - 0.1 * m for w, m in zip(ws, ms)], ms, v
+
+    _, ws, x, mesh = one_device_pipeline(5)
+    ms = [np.full_like(w, 0.5) for w in ws]
+    c = mm.jit(step, mesh=mesh).lower(ws, ms, x).compile()
+    first = {}
+    for info, frag in zip(c.plan.fragments, c.fragments):
+        first.setdefault(info.stage, (info, frag))
+    for stage, (info, frag) in first.items():
+        assert not info.tasks, info.name  # the pre-loop fragment
+        n_in = len(jax.tree.leaves(frag.input_shardings))
+        assert n_in == (1 if stage == 0 else 0), (info.name, n_in)  # x only: no m
+    out = c(ws, ms, x)
+    ref = jax.jit(step)(ws, ms, x)
     for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
 

@@ -81,6 +81,17 @@ def fragment(
     for v, src, dst in placement.transfers:
         transfers_from.setdefault((v, src), []).append(dst)
 
+    # work outside loops that no loop needs (e.g. an optimizer's moment decay, which
+    # needs only the old state) is grouped apart from work that loops need, so that it
+    # can run after the loops (step 4)
+    feeds_loop = [False] * n
+    needed_vars: set[Any] = set()
+    for i in reversed(range(n)):
+        e = prog.eqns[i]
+        if mbs[i] is not None or any(o in needed_vars for o in e.outvars):
+            feeds_loop[i] = True
+            needed_vars.update(a for a in e.invars if not isinstance(a, Literal))
+
     # 1. ASAP levels
     avail: dict[Slot, tuple[int, str]] = {}
     looped: set[Slot] = set()  # values computed in (or from) a microbatch loop
@@ -112,7 +123,7 @@ def fragment(
                 from_loop = from_loop or (a, s) in looped
             # work after a microbatch loop never shares a group with work before it
             post = mbs[i] is None and from_loop
-            key = (s, mbs[i], phase[i], lvl, post)
+            key = (s, mbs[i], phase[i], lvl, post, feeds_loop[i] or post)
             key_of[(i, s)] = key
             if key not in groups_by_key:
                 groups_by_key[key] = len(groups)
@@ -255,6 +266,11 @@ def fragment(
     stages = sorted({g.stage for g in groups if g.alive})
     topo = _topo_positions(groups)
     seqs: dict[int, list[int]] = {}
+    # work outside loops runs before them only if some loop needs it: the rest (e.g. an
+    # optimizer's moment decay, which needs only the old state) runs after them, with
+    # the work it feeds (one fragment, fused by XLA, and no buffers held over the loop)
+    all_loop = [gid for gid, g in enumerate(groups) if g.alive and g.eqns and g.mb is not None]
+    needed = _ancestors(groups, all_loop)
     for s in stages:
         mine = [gid for gid, g in enumerate(groups) if g.alive and g.eqns and g.stage == s]
         loop_groups = [gid for gid in mine if groups[gid].mb is not None]
@@ -263,7 +279,7 @@ def fragment(
             after = _descendants(groups, loop_groups)
             for gid in mine:
                 if groups[gid].mb is None:
-                    (post if gid in after else pre).append(gid)
+                    (pre if gid in needed and gid not in after else post).append(gid)
         else:
             pre = mine
         seq = sorted(pre, key=topo.__getitem__)
@@ -352,6 +368,18 @@ def _descendants(groups: list[_Group], roots: list[int]) -> set[int]:
             if c not in seen:
                 seen.add(c)
                 stack.append(c)
+    return seen
+
+
+def _ancestors(groups: list[_Group], roots: list[int]) -> set[int]:
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        x = stack.pop()
+        for p in groups[x].pred:
+            if p not in seen:
+                seen.add(p)
+                stack.append(p)
     return seen
 
 

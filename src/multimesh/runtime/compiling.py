@@ -21,7 +21,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -102,6 +102,37 @@ class Jobs:
             fut = self._pool.submit(fn)
         self._futures.append(fut)
         return Pending(fut)
+
+    def submit_after(self, dep: Pending, fn: Callable[[], Any]) -> Pending:
+        """``fn`` as a job once ``dep``'s job is done, so that a job that would only wait
+        for ``dep`` does not hold a compile thread meanwhile. No job may wait for the
+        result (it is queued after jobs submitted later): only ``wait`` does."""
+        if self._pool is None:
+            return self.submit(fn)
+        outer: cf.Future = cf.Future()
+
+        def copy(inner: cf.Future) -> None:
+            if inner.cancelled():
+                outer.cancel()
+            elif inner.exception() is not None:
+                outer.set_exception(inner.exception())
+            else:
+                outer.set_result(inner.result())
+
+        def go(_done: cf.Future) -> None:
+            pool = self._pool
+            try:
+                if pool is None:
+                    raise RuntimeError("compile jobs were closed")
+                inner = pool.submit(fn)
+            except RuntimeError as e:  # closed after an earlier job's error
+                outer.set_exception(e)
+                return
+            inner.add_done_callback(copy)
+
+        dep._future.add_done_callback(go)
+        self._futures.append(outer)
+        return Pending(outer)
 
     def wait(self) -> None:
         """Wait for every job; raise the first error in submission (plan) order."""
@@ -184,6 +215,57 @@ def compile_once(cache: dict[Hashable, Any], key: Hashable, build: Callable[[], 
     return value
 
 
+# --- output shardings known before compiling --------------------------------------------
+
+
+def replicated_on(sh: Any, mesh: jax.sharding.Mesh) -> bool:
+    """Whether ``sh`` is ``NamedSharding(mesh, P())`` (device memory, nothing sharded,
+    unreduced or reduced)."""
+    if not isinstance(sh, jax.sharding.NamedSharding) or sh.mesh != mesh:
+        return False
+    spec = sh.spec
+    if any(p is not None for p in spec):
+        return False
+    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+        return False
+    return sh.memory_kind == jax.sharding.NamedSharding(mesh, spec).memory_kind
+
+
+def _names_nothing(sh: Any) -> bool:
+    """A placement that shards nothing: a sharding-in-types annotation such as a
+    ``dot_general``'s ``out_sharding`` of spec ``P()`` (in device memory)."""
+    if not isinstance(sh, jax.sharding.NamedSharding):
+        return False
+    spec = sh.spec
+    if any(p is not None for p in spec):
+        return False
+    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+        return False
+    return sh.memory_kind in (None, "device")
+
+
+def outputs_replicated(
+    in_shardings: Sequence[Any], mesh: jax.sharding.Mesh, jaxpr: Any, out_avals: Any
+) -> bool:
+    """Whether a fragment's outputs are replicated over ``mesh`` whatever XLA decides:
+    every input is replicated there and the program names no sharding, mesh or device
+    other than replicated ones (no sharding constraint, ``shard_map``, ``device_put``).
+    XLA's sharding propagation then has nothing sharded to propagate. The executor gives
+    such fragments replicated output shardings up front, so the fragments using their
+    outputs need not wait for this compile to know their input shardings (they compile
+    in parallel instead of one after another). Were XLA ever to shard such an output,
+    the fixed output sharding still makes the values right (XLA gathers it)."""
+    if not in_shardings:
+        return False
+    if not all(_names_nothing(p) for p in embedded_placements(jaxpr, CONTEXT_ONLY)):
+        return False
+    for av in out_avals:
+        spec = getattr(getattr(av, "sharding", None), "spec", None)
+        if spec is not None and any(p is not None for p in spec):
+            return False  # sharding in types: the output's type names its sharding
+    return all(replicated_on(sh, mesh) for sh in in_shardings)
+
+
 # --- one compile for every submesh of the same shape ---------------------------------------
 
 
@@ -191,10 +273,10 @@ class _Foreign(Exception):
     """A placement that does not map onto the fragment's submesh by position."""
 
 
-def embedded_placements(jaxpr: Any) -> tuple[Any, ...]:
+def embedded_placements(jaxpr: Any, skip: frozenset[str] = frozenset()) -> tuple[Any, ...]:
     """Every sharding, mesh or device named in ``jaxpr``'s equation parameters (sharding
-    constraints, device_put targets, ...), sub-jaxprs included: the text of a jaxpr
-    does not show which devices these refer to."""
+    constraints, device_put targets, ...), sub-jaxprs included, except in the parameters
+    named in ``skip``: the text of a jaxpr does not show which devices these refer to."""
     found: list[Any] = []
 
     def walk_value(v: Any) -> None:
@@ -213,11 +295,17 @@ def embedded_placements(jaxpr: Any) -> tuple[Any, ...]:
 
     def walk(j: Any) -> None:
         for e in j.eqns:
-            for v in e.params.values():
-                walk_value(v)
+            for name, v in e.params.items():
+                if name not in skip:
+                    walk_value(v)
 
     walk(jaxpr)
     return tuple(found)
+
+
+#: parameters that name a mesh without placing anything on it: the context mesh of a
+#: nested ``jit`` or a sharding constraint (their shardings are parameters of their own)
+CONTEXT_ONLY = frozenset({"ctx_mesh", "context_mesh"})
 
 
 def device_free_key(mesh: jax.sharding.Mesh, parts: Any) -> Hashable | None:

@@ -8,6 +8,7 @@ No jaxpr is walked at run time.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -116,6 +117,9 @@ class Executable:
         #: of the same shape running the same program)
         self.compile_stats = stats = compiling.CompileStats()
         owned: set[int] = set()  # slots holding buffers only the runtime references
+        planned: dict[Any, compiling.Pending] = {}  # fragments keyed at planning time
+        planned_r: dict[Any, compiling.Pending] = {}  # ... by their device-free keys
+        deferred: set[int] = set()  # planned jobs queued once their source compiled
         donatable: set[int] = set()  # input slots of donated arguments
         borrowed: set[int] = set()  # slots holding the caller's buffers (or constants)
         #: slots whose buffers are donated to a later fragment (invalid after it runs)
@@ -161,14 +165,24 @@ class Executable:
                     [v for v, _ in f.inputs], [v for v, _ in f.outputs], eqns, info.name
                 )
                 fn = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(jaxpr, []))
+                placed = compiling.embedded_placements(jaxpr)
                 # a fragment without inputs would run on the default device: pin it. On a
-                # one-device submesh every layout is the same: fix it, so the fragments
-                # using these outputs need not wait for this compile (they compile at once)
-                single = mesh.size == 1
-                out_sh = tuple(
-                    force_sh.get(
-                        i, NamedSharding(mesh, PartitionSpec()) if single or not in_ids else None
+                # one-device submesh every layout is the same, and a fragment of replicated
+                # inputs that names no sharding makes replicated outputs: fix these, so the
+                # fragments using the outputs need not wait for this compile (they compile
+                # at once, in parallel)
+                known = (
+                    mesh.size == 1
+                    or not in_ids
+                    or compiling.outputs_replicated(
+                        [dict.get(slot_sh, i) for i in in_ids],
+                        mesh,
+                        jaxpr,
+                        [v.aval for v, _ in f.outputs],
                     )
+                )
+                out_sh = tuple(
+                    force_sh.get(i, NamedSharding(mesh, PartitionSpec()) if known else None)
                     for i in out_ids
                 )
                 # donate at last use: user-donated inputs, and our own intermediates
@@ -190,9 +204,8 @@ class Executable:
                 self.donated_slots.update(in_ids[k] for k in donate)
                 body = _named(fn, "mm_" + _sanitize(info.name))
 
-                def job(f=f, in_ids=in_ids, out_sh=out_sh, donate=donate, body=body,
-                        info=info, mesh=mesh, jaxpr=jaxpr) -> Any:
-                    in_sh = tuple(slot_sh[i] for i in in_ids)  # waits for the producers
+                def keys(in_sh, f=f, out_sh=out_sh, donate=donate, mesh=mesh, jaxpr=jaxpr,
+                         placed=placed) -> tuple[Any, Any, list[Any]]:
                     avals = [
                         jax.ShapeDtypeStruct(
                             v.aval.shape,
@@ -205,14 +218,16 @@ class Executable:
                     # identical fragments (e.g. one stage's work for each microbatch, or
                     # the same program planned for other input placements) share one
                     # executable
-                    placed = compiling.embedded_placements(jaxpr)
                     key = (str(jaxpr), in_sh, out_sh, donate, tuple(avals), opt_key, placed)
                     # ... and so do fragments that differ only in which submesh (of one
                     # shape) runs them: one compile, loaded for the other devices
                     rkey = compiling.device_free_key(
                         mesh, (mesh, key[0], in_sh, out_sh, donate, avals, opt_key, placed)
                     )
+                    return key, rkey, avals
 
+                def job(in_sh, key, rkey, avals, out_sh=out_sh, donate=donate, body=body,
+                        info=info, mesh=mesh) -> Any:
                     def build() -> Any:
                         return _compile(body, in_sh, out_sh, donate, avals, options, info, mesh)
 
@@ -222,13 +237,39 @@ class Executable:
                         lambda: compiling.compile_or_relocate(cache, rkey, mesh, build, stats),
                     )
 
-                compiled = jobs.submit(job)
+                now = tuple(dict.get(slot_sh, i) for i in in_ids)
+                if any(isinstance(sh, compiling.Pending) for sh in now):
+                    # the input shardings are the producers' compiled output shardings
+                    def waiting(in_ids=in_ids, keys=keys, job=job) -> Any:
+                        in_sh = tuple(slot_sh[i] for i in in_ids)  # waits for the producers
+                        return job(in_sh, *keys(in_sh))
+
+                    compiled = jobs.submit(waiting)
+                else:
+                    # keyed now: a fragment identical to one already planned shares its
+                    # job, and one to relocate from another submesh's compile becomes a
+                    # job once that compile is done (neither holds a compile thread).
+                    # Only if no job waits for it (its output shardings are known): a
+                    # deferred job is queued after jobs that could wait for it
+                    key, rkey, avals = keys(now)
+                    compiled = planned.get(key)
+                    if compiled is None or (not known and id(compiled) in deferred):
+                        run = functools.partial(job, now, key, rkey, avals)
+                        src = planned_r.get(rkey) if rkey is not None else None
+                        if src is not None and known:
+                            compiled = jobs.submit_after(src, run)
+                            deferred.add(id(compiled))
+                        else:
+                            compiled = jobs.submit(run)
+                        planned.setdefault(key, compiled)
+                        if rkey is not None:
+                            planned_r.setdefault(rkey, compiled)
                 self.compiled.append(compiled)
                 self._run_index.append(len(steps))
                 for k, i in enumerate(out_ids):
                     slot_sh[i] = (
                         out_sh[k]
-                        if single
+                        if known
                         else compiled.derive(lambda c, k=k: c.output_shardings[k])
                     )
                 owned.update(out_ids)
@@ -239,8 +280,13 @@ class Executable:
             elif st.kind == "transfer":
                 if loc is None:
                     later = jobs.submit(lambda st=st: self._transfer_step(st, targets, slot_sh))
-                    for _src, dst, *_ in st.items:
-                        slot_sh[dst] = later.derive(lambda r, dst=dst: r[1][dst])
+                    for src, dst, aval, _s, d in st.items:
+                        ssh = dict.get(slot_sh, src)
+                        slot_sh[dst] = (  # known now when the source's sharding is
+                            later.derive(lambda r, dst=dst: r[1][dst])
+                            if isinstance(ssh, compiling.Pending)
+                            else tr.dst_sharding(ssh, targets[d].mesh, tuple(aval.shape))
+                        )
                     steps.append((_LATER, later, (), (), ()))
                 else:
                     run = crossproc.transfer_step(
