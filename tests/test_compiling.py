@@ -388,6 +388,37 @@ def test_work_no_loop_needs_runs_after_the_loop():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
 
 
+def test_work_another_stage_needs_is_sent_before_the_loop():
+    """Loop-independent work whose result another stage uses stays before the loop, so
+    that stage need not wait for this one's loop to end."""
+
+    def loss(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                h = h + jnp.tanh(h @ w)
+        return jnp.mean(h**2)
+
+    def step(ws, x, lr):
+        with mm.task("rate", stage=0):
+            rate = jnp.tanh(lr) * 0.5
+        v, g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1)(ws, x)
+        with mm.task("update", stage=3):
+            last = ws[3] - rate * g[3]
+        return [w - 0.1 * d for w, d in zip(ws[:3], g[:3])] + [last], v
+
+    _, ws, x, mesh = one_device_pipeline(6)
+    lr = np.float32(0.3)
+    c = mm.jit(step, mesh=mesh).lower(ws, x, lr).compile()
+    names = [info.name for info in c.plan.fragments]
+    rate = next(k for k, n in enumerate(names) if "rate" in n)
+    assert rate < names.index("s0:F0"), names
+    out = c(ws, x, lr)
+    ref = jax.jit(step)(ws, x, lr)
+    for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
 def test_device_free_keys():
     d = jax.devices()
     m01 = jax.sharding.Mesh(np.array(d[0:2]), ("x",))

@@ -266,7 +266,8 @@ def fragment(
     stages = sorted({g.stage for g in groups if g.alive})
     topo = _topo_positions(groups)
     seqs: dict[int, list[int]] = {}
-    # work outside loops runs before them only if some loop needs it: the rest (e.g. an
+    # work outside loops runs before them only if some loop needs it (or another stage
+    # does: sent early, it does not wait for this stage's loop): the rest (e.g. an
     # optimizer's moment decay, which needs only the old state) runs after them, with
     # the work it feeds (one fragment, fused by XLA, and no buffers held over the loop)
     all_loop = [gid for gid, g in enumerate(groups) if g.alive and g.eqns and g.mb is not None]
@@ -279,7 +280,8 @@ def fragment(
             after = _descendants(groups, loop_groups)
             for gid in mine:
                 if groups[gid].mb is None:
-                    (pre if gid in needed and gid not in after else post).append(gid)
+                    early = gid in needed or sends(gid)  # other stages may wait for it
+                    (pre if early and gid not in after else post).append(gid)
         else:
             pre = mine
         seq = sorted(pre, key=topo.__getitem__)
