@@ -218,30 +218,29 @@ def compile_once(cache: dict[Hashable, Any], key: Hashable, build: Callable[[], 
 # --- output shardings known before compiling --------------------------------------------
 
 
-def replicated_on(sh: Any, mesh: jax.sharding.Mesh) -> bool:
-    """Whether ``sh`` is ``NamedSharding(mesh, P())`` (device memory, nothing sharded,
-    unreduced or reduced)."""
-    if not isinstance(sh, jax.sharding.NamedSharding) or sh.mesh != mesh:
-        return False
-    spec = sh.spec
+def _shards_nothing(spec: Any) -> bool:
+    """A ``PartitionSpec`` with no sharded, unreduced or reduced axis."""
     if any(p is not None for p in spec):
         return False
-    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+    return not (getattr(spec, "unreduced", None) or getattr(spec, "reduced", None))
+
+
+def replicated_on(sh: Any, mesh: jax.sharding.Mesh) -> bool:
+    """Whether ``sh`` is ``NamedSharding(mesh, P())`` in device memory."""
+    if not isinstance(sh, jax.sharding.NamedSharding) or sh.mesh != mesh:
         return False
-    return sh.memory_kind == jax.sharding.NamedSharding(mesh, spec).memory_kind
+    default = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()).memory_kind
+    return _shards_nothing(sh.spec) and sh.memory_kind == default
 
 
 def _names_nothing(sh: Any) -> bool:
     """A placement that shards nothing: a sharding-in-types annotation such as a
     ``dot_general``'s ``out_sharding`` of spec ``P()`` (in device memory)."""
-    if not isinstance(sh, jax.sharding.NamedSharding):
-        return False
-    spec = sh.spec
-    if any(p is not None for p in spec):
-        return False
-    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
-        return False
-    return sh.memory_kind in (None, "device")
+    return (
+        isinstance(sh, jax.sharding.NamedSharding)
+        and _shards_nothing(sh.spec)
+        and sh.memory_kind in (None, "device")
+    )
 
 
 def outputs_replicated(
@@ -261,7 +260,7 @@ def outputs_replicated(
         return False
     for av in out_avals:
         spec = getattr(getattr(av, "sharding", None), "spec", None)
-        if spec is not None and any(p is not None for p in spec):
+        if spec is not None and not _shards_nothing(spec):
             return False  # sharding in types: the output's type names its sharding
     return all(replicated_on(sh, mesh) for sh in in_shardings)
 
