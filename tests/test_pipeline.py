@@ -398,3 +398,28 @@ def test_microbatch_argument_errors():
         mm.microbatch(lambda x: x, 2, in_shardings=(None, None))
     with pytest.raises(ValueError, match=r"has_aux=True\) needs fun to return a pair"):
         mm.microbatch(lambda x: x.sum(), 2, has_aux=True)(jnp.ones(4))
+
+
+def test_two_dependent_microbatch_loops_in_one_step():
+    """Two pipelined loops, the second using what the first made (through work outside
+    both loops), then an optimizer: each submesh runs the loops in program order with
+    the work between them in the gap (it used to be an 'invalid schedule' error)."""
+    mmesh = stage_mesh(4)
+    ws = weights(4)
+    x, y = data(8)
+    loss = mlp(4)
+    opt = optax.adam(1e-2)
+
+    def step(ws, state, x, y):
+        v1, g1 = mm.microbatch(jax.value_and_grad(loss), 4, argnums=(1, 2))(ws, x, y)
+        ws2 = [w - 0.05 * d for w, d in zip(ws, g1)]
+        v2, g2 = mm.microbatch(jax.value_and_grad(loss), 2, argnums=(1, 2), schedule="gpipe")(
+            ws2, x * v1, y
+        )
+        up, state = opt.update(g2, state, ws2)
+        return optax.apply_updates(ws2, up), state, v1 + v2
+
+    state = opt.init(ws)
+    got = mm.jit(step, mesh=mmesh)(ws, state, x, y)
+    assert_close(got, reference(step, mmesh, ws, state, x, y), rtol=1e-5, atol=1e-6)
+    assert [stage_of(w, mmesh) for w in got[0]] == [0, 1, 2, 3]

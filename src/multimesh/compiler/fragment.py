@@ -266,27 +266,46 @@ def fragment(
     stages = sorted({g.stage for g in groups if g.alive})
     topo = _topo_positions(groups)
     seqs: dict[int, list[int]] = {}
-    # work outside loops runs before them only if some loop needs it (or another stage
-    # does: sent early, it does not wait for this stage's loop): the rest (e.g. an
-    # optimizer's moment decay, which needs only the old state) runs after them, with
-    # the work it feeds (one fragment, fused by XLA, and no buffers held over the loop)
-    all_loop = [gid for gid, g in enumerate(groups) if g.alive and g.eqns and g.mb is not None]
-    needed = _ancestors(groups, all_loop)
+    # Each submesh runs its loops in program order, and work outside them in the gaps:
+    # after the loops it depends on, and before the first loop that needs it. Within
+    # that range it runs as early as possible if another stage waits for it (sent early,
+    # it does not wait for this stage's loop) and otherwise as late as possible: e.g. an
+    # optimizer's moment decay, which needs only the old state, runs after the loop with
+    # the update it feeds (one fragment, fused by XLA, no buffers held over the loop).
+    loop_members: dict[int, list[int]] = {}
+    for gid, g in enumerate(groups):
+        if g.alive and g.eqns and g.mb is not None:
+            loop_members.setdefault(g.mb[0], []).append(gid)
+    after_loop = {j: _descendants(groups, m) for j, m in loop_members.items()}
+    before_loop = {j: _ancestors(groups, m) for j, m in loop_members.items()}
     for s in stages:
         mine = [gid for gid, g in enumerate(groups) if g.alive and g.eqns and g.stage == s]
         loop_groups = [gid for gid in mine if groups[gid].mb is not None]
-        pre, post = [], []
-        if loop_groups:
-            after = _descendants(groups, loop_groups)
-            for gid in mine:
-                if groups[gid].mb is None:
-                    early = gid in needed or sends(gid)  # other stages may wait for it
-                    (pre if early and gid not in after else post).append(gid)
-        else:
-            pre = mine
-        seq = sorted(pre, key=topo.__getitem__)
-        seq += _loop_order(groups, loop_groups, sched_rows)
-        seq += sorted(post, key=topo.__getitem__)
+        my_loops = sorted({groups[gid].mb[0] for gid in loop_groups})
+        gaps: dict[int, int] = {}  # non-loop group -> the gap before my_loops[gap]
+        for gid in mine:
+            if groups[gid].mb is not None:
+                continue
+            lo = max((k + 1 for k, j in enumerate(my_loops) if gid in after_loop[j]), default=0)
+            hi = min(
+                (sum(1 for m in my_loops if m < j) for j in loop_members if gid in before_loop[j]),
+                default=len(my_loops),
+            )
+            gaps[gid] = lo if sends(gid) or hi < lo else hi
+        # a producer runs no later than its consumers on this submesh
+        for gid in sorted(gaps, key=topo.__getitem__, reverse=True):
+            for p in groups[gid].pred:
+                if p in gaps:
+                    gaps[p] = min(gaps[p], gaps[gid])
+        seq: list[int] = []
+        for k in range(len(my_loops) + 1):
+            seq += sorted((g for g, at in gaps.items() if at == k), key=topo.__getitem__)
+            if k < len(my_loops):
+                j = my_loops[k]
+                rows = {j: sched_rows[j]} if j in sched_rows else {}
+                seq += _loop_order(
+                    groups, [g for g in loop_groups if groups[g].mb[0] == j], rows
+                )
         seqs[s] = seq
 
     # merge a consumer that directly follows its producer on the same submesh
