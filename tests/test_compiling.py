@@ -12,14 +12,16 @@ import multimesh as mm
 from multimesh.runtime import compiling
 
 
-def pipeline_step(schedule: str, reduce: str = "sum"):
-    def loss(ws, x):
-        h = x
-        for i, w in enumerate(ws):
-            with mm.task(f"s{i}", stage=i):
-                h = h + jnp.tanh(h @ w)
-        return jnp.mean(h**2)
+def loss(ws, x):
+    """Four residual tanh layers, one task (stage) each."""
+    h = x
+    for i, w in enumerate(ws):
+        with mm.task(f"s{i}", stage=i):
+            h = h + jnp.tanh(h @ w)
+    return jnp.mean(h**2)
 
+
+def pipeline_step(schedule: str, reduce: str = "sum"):
     def step(ws, x):
         vg = jax.value_and_grad(loss)
         v, g = mm.microbatch(vg, 4, argnums=1, schedule=schedule, reduce=reduce)(ws, x)
@@ -360,13 +362,6 @@ def test_work_no_loop_needs_runs_after_the_loop():
     the microbatch loop with the update it feeds, not before it: the fragments before
     the loop only make what the loop needs (zeros, microbatch slices)."""
 
-    def loss(ws, x):
-        h = x
-        for i, w in enumerate(ws):
-            with mm.task(f"s{i}", stage=i):
-                h = h + jnp.tanh(h @ w)
-        return jnp.mean(h**2)
-
     def step(ws, ms, x):
         v, g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1)(ws, x)
         ms = [0.9 * m + d for m, d in zip(ms, g)]
@@ -391,13 +386,6 @@ def test_work_no_loop_needs_runs_after_the_loop():
 def test_work_another_stage_needs_is_sent_before_the_loop():
     """Loop-independent work whose result another stage uses stays before the loop, so
     that stage need not wait for this one's loop to end."""
-
-    def loss(ws, x):
-        h = x
-        for i, w in enumerate(ws):
-            with mm.task(f"s{i}", stage=i):
-                h = h + jnp.tanh(h @ w)
-        return jnp.mean(h**2)
 
     def step(ws, x, lr):
         with mm.task("rate", stage=0):

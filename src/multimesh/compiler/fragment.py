@@ -276,8 +276,8 @@ def fragment(
     for gid, g in enumerate(groups):
         if g.alive and g.eqns and g.mb is not None:
             loop_members.setdefault(g.mb[0], []).append(gid)
-    after_loop = {j: _descendants(groups, m) for j, m in loop_members.items()}
-    before_loop = {j: _ancestors(groups, m) for j, m in loop_members.items()}
+    after_loop = {j: _reach(groups, m, "succ") for j, m in loop_members.items()}
+    before_loop = {j: _reach(groups, m, "pred") for j, m in loop_members.items()}
     for s in stages:
         mine = [gid for gid, g in enumerate(groups) if g.alive and g.eqns and g.stage == s]
         loop_groups = [gid for gid in mine if groups[gid].mb is not None]
@@ -380,27 +380,16 @@ def _topo_positions(groups: list[_Group]) -> dict[int, int]:
     return pos
 
 
-def _descendants(groups: list[_Group], roots: list[int]) -> set[int]:
+def _reach(groups: list[_Group], roots: list[int], edges: str) -> set[int]:
+    """The groups reachable from ``roots`` along ``edges`` ("succ": descendants, "pred":
+    ancestors), the roots excluded unless on a path."""
     seen: set[int] = set()
     stack = list(roots)
     while stack:
-        x = stack.pop()
-        for c in groups[x].succ:
-            if c not in seen:
-                seen.add(c)
-                stack.append(c)
-    return seen
-
-
-def _ancestors(groups: list[_Group], roots: list[int]) -> set[int]:
-    seen: set[int] = set()
-    stack = list(roots)
-    while stack:
-        x = stack.pop()
-        for p in groups[x].pred:
-            if p not in seen:
-                seen.add(p)
-                stack.append(p)
+        for y in getattr(groups[stack.pop()], edges):
+            if y not in seen:
+                seen.add(y)
+                stack.append(y)
     return seen
 
 

@@ -119,7 +119,6 @@ class Executable:
         owned: set[int] = set()  # slots holding buffers only the runtime references
         planned: dict[Any, compiling.Pending] = {}  # fragments keyed at planning time
         planned_r: dict[Any, compiling.Pending] = {}  # ... by their device-free keys
-        deferred: set[int] = set()  # planned jobs queued once their source compiled
         donatable: set[int] = set()  # input slots of donated arguments
         borrowed: set[int] = set()  # slots holding the caller's buffers (or constants)
         #: slots whose buffers are donated to a later fragment (invalid after it runs)
@@ -171,7 +170,7 @@ class Executable:
                 # inputs that names no sharding makes replicated outputs: fix these, so the
                 # fragments using the outputs need not wait for this compile (they compile
                 # at once, in parallel)
-                known = (
+                fixed = (
                     mesh.size == 1
                     or not in_ids
                     or compiling.outputs_replicated(
@@ -182,9 +181,10 @@ class Executable:
                     )
                 )
                 out_sh = tuple(
-                    force_sh.get(i, NamedSharding(mesh, PartitionSpec()) if known else None)
+                    force_sh.get(i, NamedSharding(mesh, PartitionSpec()) if fixed else None)
                     for i in out_ids
                 )
+                known = all(sh is not None for sh in out_sh)  # no job waits for its compile
                 # donate at last use: user-donated inputs, and our own intermediates
                 # (fragment outputs and transfer copies) when an output can reuse them
                 out_avals = [(tuple(v.aval.shape), v.aval.dtype) for v, _ in f.outputs]
@@ -250,18 +250,16 @@ class Executable:
                     # job, and one to relocate from another submesh's compile becomes a
                     # job once that compile is done (neither holds a compile thread).
                     # Only if no job waits for it (its output shardings are known): a
-                    # deferred job is queued after jobs that could wait for it
+                    # deferred job is queued after jobs that could wait for it. (Equal
+                    # keys have equal output shardings, so a shared job is deferred only
+                    # if no fragment sharing it has unknown outputs.)
                     key, rkey, avals = keys(now)
                     compiled = planned.get(key)
-                    if compiled is None or (not known and id(compiled) in deferred):
+                    if compiled is None:
                         run = functools.partial(job, now, key, rkey, avals)
-                        src = planned_r.get(rkey) if rkey is not None else None
-                        if src is not None and known:
-                            compiled = jobs.submit_after(src, run)
-                            deferred.add(id(compiled))
-                        else:
-                            compiled = jobs.submit(run)
-                        planned.setdefault(key, compiled)
+                        src = planned_r.get(rkey) if known and rkey is not None else None
+                        compiled = jobs.submit(run) if src is None else jobs.submit_after(src, run)
+                        planned[key] = compiled
                         if rkey is not None:
                             planned_r.setdefault(rkey, compiled)
                 self.compiled.append(compiled)
