@@ -3,7 +3,8 @@
 ``mm.microbatch(jax.value_and_grad(loss), 8, schedule="1f1b", reduce="mean")`` is
 gradient accumulation. Outside ``mm.jit`` it is a ``lax.scan`` over microbatches (so
 ``jit``, ``vmap`` and autodiff come from JAX). Inside ``mm.jit`` the loop is unrolled at
-trace time, each microbatch under a marker scope (``mb<k>@mm:L<loop>``), and the
+trace time (the function itself is traced once, as a jitted call inlined per
+microbatch), each microbatch under a marker scope (``mb<k>@mm:L<loop>``), and the
 compiler orders each (stage, microbatch, phase) fragment by the schedule. Accumulation
 for microbatch ``k`` is traced inside its scope, so each gradient is summed on the
 submesh that owns it.
@@ -164,13 +165,18 @@ def microbatch(
                 # slice outside the microbatch scopes, so that each stage's fragments are
                 # identical across microbatches and share one executable
                 pieces = [piece(k) for k in range(M)]
+                # traced once, like the reference scan's body: every microbatch calls the
+                # same jitted function, a cache hit after the first (the compiler inlines
+                # each call in its microbatch scope), so tracing does not grow with M
+                batch = tuple(i for i in range(len(args)) if i in specs)
+                traced_once = jax.jit(lambda bp: call(_with_batch(pieces[0], batch, bp)))
                 acc: Any = None
                 per_mb: list[tuple[Any, Any]] = []
                 red = None
                 for k in range(M):
                     scope = f"mb{k}@mm:L{loop}"
                     with jax.named_scope(scope):
-                        out, aux = call(pieces[k])
+                        out, aux = traced_once(tuple(pieces[k][i] for i in batch))
                         if red is None:
                             red = _reduce_tree(reduce, out)
                         summed = jax.tree.map(lambda r, o: None if r == "stack" else o, red, out)
@@ -202,6 +208,14 @@ def microbatch(
         return (outs, aux_out) if has_aux else outs
 
     return wrapped
+
+
+def _with_batch(k_args: tuple[Any, ...], batch: tuple[int, ...], bp: tuple[Any, ...]):
+    """``k_args`` with the batch arguments (positions ``batch``) replaced by ``bp``."""
+    out = list(k_args)
+    for i, p in zip(batch, bp):
+        out[i] = p
+    return tuple(out)
 
 
 def _check_leaf(i: int, path: Any, shape: tuple[int, ...], M: int, axis: int, stacked: bool):
