@@ -507,3 +507,88 @@ def test_relocation_can_be_switched_off(monkeypatch):
     assert off.compile_stats["compiled"] == on.num_executables == off.num_executables
     for a, b in zip(jax.tree.leaves(on(ws, x)), jax.tree.leaves(off(ws, x))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def embed_blocks_head_step(schedule: str = "1f1b"):
+    """An embedding on stage 0 and a head on stage 3 around one block per stage, each a
+    task of its own (the shape of a transformer pipeline), trained with SGD."""
+
+    def model_loss(params, x, y):
+        emb, ws, head = params
+        with mm.task("embed", stage=0):
+            h = jnp.tanh(x @ emb)
+        for i, w in enumerate(ws):
+            with mm.task(f"block{i}", stage=i):
+                h = h + jnp.tanh(h @ w)
+        with mm.task("head", stage=3):
+            out = h @ head
+        return jnp.mean((out - y) ** 2)
+
+    def step(params, x, y):
+        v, g = mm.microbatch(jax.value_and_grad(model_loss), 4, argnums=(1, 2), schedule=schedule)(
+            params, x, y
+        )
+        return jax.tree.map(lambda p, d: p - 0.1 * d, params, g), v
+
+    rng = np.random.default_rng(3)
+    f32 = np.float32
+    params = (
+        rng.normal(size=(6, 8)).astype(f32) / 3,
+        [rng.normal(size=(8, 8)).astype(f32) / 3 for _ in range(4)],
+        rng.normal(size=(8, 2)).astype(f32) / 3,
+    )
+    x = rng.normal(size=(8, 6)).astype(f32)
+    return step, (params, x, np.sin(x[:, :2]))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
+def test_tasks_only_one_stage_runs_are_split_from_shared_blocks(schedule, monkeypatch):
+    """Stage 0 (embed + block) and stage 3 (block + head) run their block as its own
+    fragment, the same program as the middle stages' (one compile, relocated), instead of
+    compiling a block inside each end stage's mix; values equal jax.jit."""
+    from multimesh.compiler import fragment as frag_pass
+
+    step, args = embed_blocks_head_step(schedule)
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    ref = jax.jit(step)(*args)
+    c = mm.jit(step, mesh=mesh).lower(*args).compile()
+    names = {f.name for f in c.plan.fragments}
+    assert {"embed:F0", "block0:F0", "block3:F0"} <= names, sorted(names)
+    assert {"embed:B0", "embed:W0"} & names, sorted(names)  # zero-bubble: all W on stage 0
+    assert not any("+" in n.split(":")[0] for n in names), sorted(names)  # no task mixes
+    out = c(*args)
+    for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+    # without the split each end stage compiles its own block inside a mix; with it the
+    # end stages' blocks load the middle stages' executables (the mixes' other parts,
+    # embed and head alone, are small programs)
+    monkeypatch.setattr(frag_pass, "_segments", lambda *a: None)
+    unsplit = mm.jit(step, mesh=mesh).lower(*args).compile()
+    assert any(n.startswith("embed+block0:") for n in (f.name for f in unsplit.plan.fragments))
+    split, whole = c.compile_stats, unsplit.compile_stats
+    # block0's and block3's forward and backward: loaded, not compiled
+    assert split["relocated"] >= whole["relocated"] + 4, (split, whole)
+
+
+def test_a_split_that_would_cycle_falls_back_to_one_fragment(monkeypatch):
+    """Segments are an optimization: one whose fragments would depend on each other in a
+    cycle (forced here: alternating segments along a chain) is dropped, not an error."""
+    from multimesh.compiler import fragment as frag_pass
+
+    real = frag_pass._segments
+
+    def alternating(prog, placement, labels, mbs):
+        if real(prog, placement, labels, mbs) is None:
+            return None
+        return [k % 2 if mb is not None else 0 for k, mb in enumerate(mbs)]
+
+    step, args = embed_blocks_head_step()
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    monkeypatch.setattr(frag_pass, "_segments", alternating)
+    got = mm.jit(step, mesh=mesh).lower(*args).compile()
+    monkeypatch.setattr(frag_pass, "_segments", lambda *a: None)
+    unsplit = mm.jit(step, mesh=mesh).lower(*args).compile()
+    assert [f.name for f in got.plan.fragments] == [f.name for f in unsplit.plan.fragments]
+    ref = jax.jit(step)(*args)
+    for a, r in zip(jax.tree.leaves(got(*args)), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)

@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+
 from multimesh import _compat
 from multimesh.compiler.ir import FlatProgram, Labels, Literal, Placement
 from multimesh.schedules import Action
@@ -54,6 +56,11 @@ class _Group:
     pred: set[int] = dataclasses.field(default_factory=set)
     alive: bool = True
     actions: list[Action] = dataclasses.field(default_factory=list)
+    segment: int = 0
+
+
+class _Cyclic(Exception):
+    """Splitting a submesh's loop work into segments made the group graph cyclic."""
 
 
 def fragment(
@@ -66,6 +73,18 @@ def fragment(
     loops = loops or []
     n = len(prog.eqns)
     mbs = labels.microbatch if labels is not None and labels.microbatch else [None] * n
+    segments = _segments(prog, placement, labels, mbs)
+    if segments is not None:
+        try:
+            return _fragment(prog, placement, labels, loops, mbs, segments)
+        except (_Cyclic, ValueError):
+            pass  # the split is only an optimization: fragment as if unsplit
+    return _fragment(prog, placement, labels, loops, mbs, None)
+
+
+def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
+    n = len(prog.eqns)
+    seg = segments or [0] * n
     # phase: backward if transposed, or if it consumes backward results (e.g. the
     # accumulation of a microbatch's gradients belongs to that microbatch's backward)
     phase: list[str] = []
@@ -123,11 +142,11 @@ def fragment(
                 from_loop = from_loop or (a, s) in looped
             # work after a microbatch loop never shares a group with work before it
             post = mbs[i] is None and from_loop
-            key = (s, mbs[i], phase[i], lvl, post, feeds_loop[i] or post)
+            key = (s, mbs[i], phase[i], lvl, post, feeds_loop[i] or post, seg[i])
             key_of[(i, s)] = key
             if key not in groups_by_key:
                 groups_by_key[key] = len(groups)
-                groups.append(_Group(s, mbs[i], phase[i], lvl, set()))
+                groups.append(_Group(s, mbs[i], phase[i], lvl, set(), segment=seg[i]))
             groups[groups_by_key[key]].eqns.add(i)
             for o in e.outvars:
                 publish((o, s), lvl, phase[i], from_loop)
@@ -181,6 +200,8 @@ def fragment(
     ordered = [i for i, e in enumerate(prog.eqns) if _compat.has_ordered_effects(e)]
     effect_pairs = list(zip(ordered, ordered[1:]))
     rebuild_edges()
+    if segments is not None and len(_topo_positions(groups, strict=True)) < len(groups):
+        raise _Cyclic
 
     def reaches_via_other(g: int, h: int) -> bool:
         """Is there a path g -> x -> ... -> h with x != h?"""
@@ -239,6 +260,7 @@ def fragment(
                 same = (
                     gh.stage == g.stage
                     and gh.mb == g.mb
+                    and gh.segment == g.segment
                     and (g.mb is None or gh.phase == g.phase or not g.pred)
                 )
                 if same and not sends(gid) and not reaches_via_other(gid, h):
@@ -303,9 +325,7 @@ def fragment(
             if k < len(my_loops):
                 j = my_loops[k]
                 rows = {j: sched_rows[j]} if j in sched_rows else {}
-                seq += _loop_order(
-                    groups, [g for g in loop_groups if groups[g].mb[0] == j], rows
-                )
+                seq += _loop_order(groups, [g for g in loop_groups if groups[g].mb[0] == j], rows)
         seqs[s] = seq
 
     # merge a consumer that directly follows its producer on the same submesh
@@ -319,6 +339,7 @@ def fragment(
                 if (
                     gid in gp.succ
                     and gp.mb == gc.mb
+                    and gp.segment == gc.segment
                     and not sends(prev)
                     and not reaches_via_other(prev, gid)
                 ) or (
@@ -354,12 +375,125 @@ def fragment(
     return frags
 
 
+def _segments(prog: FlatProgram, placement: Placement, labels: Labels | None, mbs) -> Any:
+    """Per equation, the segment of its submesh's loop work it belongs to (``None``: one
+    segment everywhere).
+
+    A submesh whose microbatch work mixes tasks that other submeshes also run (the same
+    program: e.g. a transformer block) with tasks found nowhere else (the embedding on the
+    first stage, the head on the last) runs them as separate fragments, consecutive runs of
+    each kind: the shared part then compiles once for every submesh (one executable,
+    relocated), instead of once inside each submesh's own mix. Untagged work in a
+    microbatch joins the segment of the task it reads from (else of the one it feeds)."""
+    if labels is None or not labels.tasks:
+        return None
+    n = len(prog.eqns)
+    tasks = labels.tasks
+    where = [
+        placement.instances[i][0] if len(placement.instances[i]) == 1 else None for i in range(n)
+    ]
+    order: dict[tuple[int, int], list[Any]] = {}  # (loop, submesh) -> tasks in program order
+    eqns_of: dict[tuple[int, Any], list[int]] = {}
+    for i in range(n):
+        mb, t = mbs[i], tasks[i]
+        if mb is None or t is None or mb[1] != 0 or where[i] is None:
+            continue
+        ts = order.setdefault((mb[0], where[i]), [])
+        if t not in ts:
+            ts.append(t)
+        eqns_of.setdefault((mb[0], t), []).append(i)
+    sig = {key: _signature(prog, idx) for key, idx in eqns_of.items()}
+    runs_on: dict[tuple[int, Any], set[int]] = {}
+    for (loop, s), ts in order.items():
+        for t in ts:
+            runs_on.setdefault((loop, sig[(loop, t)]), set()).add(s)
+    seg_of: dict[tuple[int, int, Any], int] = {}
+    for (loop, s), ts in order.items():
+        shared = [len(runs_on[(loop, sig[(loop, t)])]) > 1 for t in ts]
+        if all(shared) or not any(shared):
+            continue
+        k = 0
+        for j, t in enumerate(ts):
+            k += j > 0 and shared[j] != shared[j - 1]
+            seg_of[(loop, s, t)] = k
+    if not seg_of:
+        return None
+    seg = [0] * n
+    known = [False] * n
+    for i in range(n):
+        if mbs[i] is not None and tasks[i] is not None and where[i] is not None:
+            seg[i] = seg_of.get((mbs[i][0], where[i], tasks[i]), 0)
+            known[i] = True
+    producer = {o: i for i, e in enumerate(prog.eqns) for o in e.outvars}
+    consumers: dict[int, list[int]] = {}
+    for i, e in enumerate(prog.eqns):
+        for a in e.invars:
+            if not isinstance(a, Literal) and a in producer:
+                consumers.setdefault(producer[a], []).append(i)
+
+    def same_place(i: int, j: int) -> bool:
+        return known[j] and mbs[j] == mbs[i] and where[j] == where[i]
+
+    for i in range(n):  # untagged loop work: from what it reads
+        if mbs[i] is None or known[i]:
+            continue
+        src = [
+            producer[a] for a in prog.eqns[i].invars if not isinstance(a, Literal) and a in producer
+        ]
+        j = next((j for j in src if same_place(i, j)), None)
+        if j is not None:
+            seg[i], known[i] = seg[j], True
+    for i in reversed(range(n)):  # ... else from what it feeds
+        if mbs[i] is None or known[i]:
+            continue
+        j = next((j for j in consumers.get(i, ()) if same_place(i, j)), None)
+        if j is not None:
+            seg[i], known[i] = seg[j], True
+    return seg
+
+
+def _signature(prog: FlatProgram, idx: list[int]) -> Any:
+    """A structural key of equations ``idx``: primitives, parameters, shapes and wiring,
+    not variable identities (two submeshes' copies of one layer have equal keys)."""
+    local: dict[Any, int] = {}
+    outside: dict[Any, int] = {}
+    items = []
+    for i in idx:
+        e = prog.eqns[i]
+        ins = []
+        for a in e.invars:
+            if isinstance(a, Literal):
+                ins.append(("lit", str(a)))
+            elif a in local:
+                ins.append(("local", local[a]))
+            else:
+                ins.append(("in", outside.setdefault(a, len(outside)), str(a.aval)))
+        for o in e.outvars:
+            local[o] = len(local)
+        params = tuple(sorted((k, _param_key(v)) for k, v in e.params.items()))
+        items.append((e.primitive.name, params, tuple(ins), tuple(str(o.aval) for o in e.outvars)))
+    return hash(tuple(items))
+
+
+def _param_key(v: Any) -> Any:
+    """A parameter without device identities (a sharding on another submesh of the same
+    shape is the same parameter here)."""
+    if isinstance(v, (tuple, list)):
+        return tuple(_param_key(x) for x in v)
+    if isinstance(v, NamedSharding):
+        return ("named", tuple(v.mesh.shape.items()), str(v.spec), v.memory_kind)
+    if isinstance(v, (Mesh, AbstractMesh)):
+        return ("mesh", tuple(v.shape.items()))
+    return str(v)
+
+
 def _only(stages: list[int]) -> int:
     return stages[0] if stages else -1
 
 
-def _topo_positions(groups: list[_Group]) -> dict[int, int]:
-    """A topological order of the live groups (earliest level first)."""
+def _topo_positions(groups: list[_Group], strict: bool = False) -> dict[int, int]:
+    """A topological order of the live groups (earliest level first); ``strict``: only
+    the groups not on a cycle."""
     import heapq
 
     alive = [gid for gid, g in enumerate(groups) if g.alive]
@@ -375,6 +509,8 @@ def _topo_positions(groups: list[_Group]) -> dict[int, int]:
                 indeg[c] -= 1
                 if indeg[c] == 0:
                     heapq.heappush(heap, (groups[c].level, c))
+    if strict:
+        return pos
     for g in alive:  # groups on a cycle: the dispatcher reports it
         pos.setdefault(g, len(pos) + groups[g].level)
     return pos
@@ -486,22 +622,18 @@ def _pipeline_order(groups, mine, virt_of, used) -> list[int]:
 
 
 def _split_backward(groups, loop, prog, placement, transfers_from):
-    """Split each backward loop group into B (what other stages need) and W (the rest)."""
-    for gid in range(len(groups)):
-        g = groups[gid]
-        if not g.alive or g.mb is None or g.mb[0] != loop or g.phase != "B":
-            continue
-        eqns = sorted(g.eqns)
-        producer = {}
-        for i in eqns:
-            for o in prog.eqns[i].outvars:
-                producer[o] = i
+    """Split each backward loop group into B (what other stages need, and what that needs
+    on this stage, across its segments) and W (the rest)."""
+    parts: dict[tuple[int, Any], list[int]] = {}
+    for gid, g in enumerate(groups):
+        if g.alive and g.mb is not None and g.mb[0] == loop and g.phase == "B":
+            parts.setdefault((g.stage, g.mb), []).append(gid)
+    for (stage, _mb), gids in parts.items():
+        eqns = sorted(set().union(*(groups[gid].eqns for gid in gids)))
+        producer = {o: i for i in eqns for o in prog.eqns[i].outvars}
         need: set[int] = set()
         stack = [
-            producer[o]
-            for i in eqns
-            for o in prog.eqns[i].outvars
-            if (o, g.stage) in transfers_from
+            producer[o] for i in eqns for o in prog.eqns[i].outvars if (o, stage) in transfers_from
         ]
         while stack:
             i = stack.pop()
@@ -511,14 +643,14 @@ def _split_backward(groups, loop, prog, placement, transfers_from):
             for a in prog.eqns[i].invars:
                 if not isinstance(a, Literal) and a in producer:
                     stack.append(producer[a])
-        rest = set(eqns) - need
-        (act,) = g.actions
-        w_act = Action(act.stage, act.microbatch, "W")
-        if not rest:
-            groups.append(_Group(g.stage, g.mb, "W", g.level + 1, set(), actions=[w_act]))
-            continue
-        g.eqns = need
-        groups.append(_Group(g.stage, g.mb, "W", g.level + 1, rest, actions=[w_act]))
+        for gid in gids:
+            g = groups[gid]
+            rest = g.eqns - need
+            (act,) = g.actions
+            w_act = Action(act.stage, act.microbatch, "W")
+            w = _Group(g.stage, g.mb, "W", g.level + 1, rest, actions=[w_act], segment=g.segment)
+            groups.append(w)
+            g.eqns = g.eqns & need
 
 
 def _loop_order(groups, loop_groups, sched_rows):
@@ -531,7 +663,10 @@ def _loop_order(groups, loop_groups, sched_rows):
     for _loop, (_sched, rows, _sub) in sorted(sched_rows.items()):
         for row in rows:
             for a in row:
-                for gid in sorted(by_action.get(a, []), key=lambda x: groups[x].level):
+                for gid in sorted(
+                    by_action.get(a, []),
+                    key=lambda x: (groups[x].level, min(groups[x].eqns, default=0)),
+                ):
                     if gid not in placed and groups[gid].alive:
                         placed.add(gid)
                         out.append(gid)
