@@ -318,7 +318,10 @@ class Compiled:
 
     @property
     def fragments(self) -> list[Any]:
-        """The XLA-compiled fragments (``jax.stages.Compiled``), in dispatch order."""
+        """The XLA-compiled fragments (``jax.stages.Compiled``), in dispatch order. In a
+        multi-process run, ``None`` for a fragment another process runs whose output
+        layouts are known without compiling it (that process compiles it; the analyses
+        below cover this process's fragments)."""
         return list(self._exe.compiled)
 
     def memory_analysis(self) -> MemoryAnalysis:
@@ -326,7 +329,8 @@ class Compiled:
         :class:`MemoryAnalysis`)."""
         per_fragment: dict[str, Any] = {}
         for info, c in zip(self.plan.fragments, self._exe.compiled):
-            per_fragment[info.name] = c.memory_analysis()
+            if c is not None:
+                per_fragment[info.name] = c.memory_analysis()
         return MemoryAnalysis.build(self.plan, self._exe.compiled, per_fragment)
 
     def cost_analysis(self) -> CostAnalysis:
@@ -336,6 +340,8 @@ class Compiled:
         per_submesh: dict[int, dict[str, float]] = {}
         total: dict[str, float] = {}
         for info, c in zip(self.plan.fragments, self._exe.compiled):
+            if c is None:
+                continue
             ca = c.cost_analysis()
             if isinstance(ca, (list, tuple)):  # older JAX: one dict per program
                 ca = ca[0] if ca else {}

@@ -237,6 +237,15 @@ class Executable:
                         lambda: compiling.compile_or_relocate(cache, rkey, mesh, build, stats),
                     )
 
+                if known and loc is not None and not loc.has(mesh.devices.flat):
+                    # another process runs it, and its output layouts are known: nothing
+                    # to compile here (that process compiles it)
+                    self.compiled.append(None)
+                    self._run_index.append(len(steps))
+                    for k, i in enumerate(out_ids):
+                        slot_sh[i] = out_sh[k]
+                    owned.update(out_ids)
+                    continue
                 now = tuple(dict.get(slot_sh, i) for i in in_ids)
                 if any(isinstance(sh, compiling.Pending) for sh in now):
                     # the input shardings are the producers' compiled output shardings
@@ -541,7 +550,7 @@ class Executable:
     @property
     def num_executables(self) -> int:
         """Distinct XLA executables (identical fragments share one)."""
-        return len({id(c) for c in self.compiled})
+        return len({id(c) for c in self.compiled if c is not None})
 
     def record(self, args: Sequence[Any]) -> tuple[list[Any], Any]:
         if self._loc is not None:
