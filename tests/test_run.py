@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from multimesh.run import cli
@@ -241,7 +242,10 @@ def test_under_mpirun_and_slurm_equals_one_process(kind, tmp_path):
         assert p.returncode == 0, out[-3000:]
     assert "process 0: devices [0, 1, 2, 3], stages [0]; process 1:" in outs[0], outs[0][-2000:]
     want = json.loads(one.read_text())["losses"]
-    assert json.loads((tmp_path / "0.json").read_text())["losses"] == want
+    # to rounding: a sum over the 4 data-parallel devices runs in gloo's order on several
+    # processes and in XLA's own in one (the multi-process tier's tolerance too)
+    got = json.loads((tmp_path / "0.json").read_text())["losses"]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_checkpoint_resume_continues_the_loss_curve(tmp_path):
