@@ -592,3 +592,39 @@ def test_a_split_that_would_cycle_falls_back_to_one_fragment(monkeypatch):
     ref = jax.jit(step)(*args)
     for a, r in zip(jax.tree.leaves(got(*args)), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+def test_no_split_where_the_shared_part_matches_no_other_submesh():
+    """Stage 0 runs embed + two blocks, no other stage runs two blocks: splitting it would
+    only add launches, so it stays one fragment; stage 3 (block + head) still splits."""
+
+    def model_loss(params, x):
+        emb, ws, head = params
+        with mm.task("embed", stage=0):
+            h = jnp.tanh(x @ emb)
+        for i, w in enumerate(ws):
+            with mm.task(f"block{i}", stage=max(0, i - 1)):
+                h = h + jnp.tanh(h @ w)
+        with mm.task("head", stage=3):
+            return jnp.mean((h @ head) ** 2)
+
+    def step(params, x):
+        v, g = mm.microbatch(jax.value_and_grad(model_loss), 2, argnums=1)(params, x)
+        return jax.tree.map(lambda p, d: p - 0.1 * d, params, g), v
+
+    rng = np.random.default_rng(4)
+    params = (
+        rng.normal(size=(6, 8)).astype(np.float32) / 3,
+        [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(5)],
+        rng.normal(size=(8, 2)).astype(np.float32) / 3,
+    )
+    x = rng.normal(size=(4, 6)).astype(np.float32)
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    c = mm.jit(step, mesh=mesh).lower(params, x).compile()
+    names = {f.name for f in c.plan.fragments}
+    assert {"block4:F0", "head:F0+B0", "block3:F0"} <= names, sorted(names)
+    stage0 = {f.name.split(":")[0] for f in c.plan.fragments if f.stage == 0 and f.tasks}
+    assert stage0 and all("+" in n for n in stage0), sorted(stage0)  # one mix per phase
+    ref = jax.jit(step)(params, x)
+    for a, r in zip(jax.tree.leaves(c(params, x)), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)

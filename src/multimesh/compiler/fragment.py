@@ -407,15 +407,33 @@ def _segments(prog: FlatProgram, placement: Placement, labels: Labels | None, mb
     for (loop, s), ts in order.items():
         for t in ts:
             runs_on.setdefault((loop, sig[(loop, t)]), set()).add(s)
-    seg_of: dict[tuple[int, int, Any], int] = {}
+    # each submesh's tasks as runs of consecutive shared / unshared ones
+    runs: dict[tuple[int, int], list[tuple[bool, list[Any]]]] = {}
+    run_on: dict[tuple[int, tuple[Any, ...]], set[int]] = {}  # shared runs' signatures
     for (loop, s), ts in order.items():
-        shared = [len(runs_on[(loop, sig[(loop, t)])]) > 1 for t in ts]
-        if all(shared) or not any(shared):
+        mine = runs[(loop, s)] = []
+        for t in ts:
+            shared = len(runs_on[(loop, sig[(loop, t)])]) > 1
+            if mine and mine[-1][0] == shared:
+                mine[-1][1].append(t)
+            else:
+                mine.append((shared, [t]))
+        for shared, run in mine:
+            if shared:
+                key = (loop, tuple(sig[(loop, t)] for t in run))
+                run_on.setdefault(key, set()).add(s)
+    seg_of: dict[tuple[int, int, Any], int] = {}
+    for (loop, s), mine in runs.items():
+        # split only where a shared run is a program another submesh runs too
+        if len(mine) < 2 or not any(
+            len(run_on[(loop, tuple(sig[(loop, t)] for t in run))]) > 1
+            for shared, run in mine
+            if shared
+        ):
             continue
-        k = 0
-        for j, t in enumerate(ts):
-            k += j > 0 and shared[j] != shared[j - 1]
-            seg_of[(loop, s, t)] = k
+        for k, (_shared, run) in enumerate(mine):
+            for t in run:
+                seg_of[(loop, s, t)] = k
     if not seg_of:
         return None
     seg = [0] * n
