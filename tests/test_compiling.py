@@ -628,3 +628,34 @@ def test_no_split_where_the_shared_part_matches_no_other_submesh():
     ref = jax.jit(step)(params, x)
     for a, r in zip(jax.tree.leaves(c(params, x)), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+def test_layouts_replicated_decides_the_split():
+    """The split of shared tasks needs layouts known before compiling (replicated data):
+    a sharded argument, an ``in_shardings`` entry or a constraint that shards turns it
+    off (FSDP pipelines keep one fragment per stage and phase)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "data"))
+    jaxpr_of = lambda f: jax.make_jaxpr(f)(jnp.ones((4, 2))).jaxpr  # noqa: E731
+    plain = jaxpr_of(lambda x: x * 2)
+    ok = compiling.layouts_replicated
+    assert ok(
+        [None, NamedSharding(mesh, P()), NamedSharding(mesh, P("stage"))], None, plain, "stage"
+    )
+    assert ok([jax.sharding.SingleDeviceSharding(jax.devices()[0])], (None, P()), plain, "stage")
+    assert not ok([NamedSharding(mesh, P(None, "data"))], None, plain, "stage")
+    assert not ok([None], (P("data"), None), plain, "stage")
+    sharded = jaxpr_of(
+        lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data")))
+    )
+    assert not ok([None], None, sharded, "stage")
+
+    step, (params, x, y) = embed_blocks_head_step()
+    mesh42 = mm.make_mesh((4, 2), ("stage", "data"))
+    split = mm.jit(step, mesh=mesh42).lower(params, x, y)
+    assert "embed:F0" in {f.name for f in split.plan.fragments}
+    dp = mm.jit(step, mesh=mesh42, in_shardings=(None, P("data"), P("data"))).lower(params, x, y)
+    names = {f.name for f in dp.plan.fragments}
+    assert "embed:F0" not in names and any(n.startswith("embed+block0:") for n in names), names

@@ -92,7 +92,12 @@ class Lowered:
             else 0
         )
         placement = place.place(prog, labels, [i.loc for i in self.input_infos], default)
-        frags = frag_pass.fragment(prog, placement, labels, traced.loops)
+        # a stage's shared tasks (blocks) split from its own (embedding, head) share the
+        # other stages' executables only where layouts are known before compiling
+        split = compiling.layouts_replicated(
+            [committed_sharding(x) for x in flat], fn._in_shardings, traced.jaxpr.jaxpr, stage_axis
+        )
+        frags = frag_pass.fragment(prog, placement, labels, traced.loops, split_shared=split)
         prog, labels, placement, frags = pack.pack_transfers(prog, labels, placement, frags)
         self._prog, self._labels = prog, labels
         self.plan: plan_pass.Plan = plan_pass.build_plan(

@@ -233,6 +233,38 @@ def replicated_on(sh: Any, mesh: jax.sharding.Mesh) -> bool:
     return _shards_nothing(sh.spec) and sh.memory_kind == default
 
 
+def layouts_replicated(
+    arg_shardings: Sequence[Any], in_shardings: Any, jaxpr: Any, stage_axis: str | None
+) -> bool:
+    """Whether a program's data stays replicated on each submesh: no argument (nor an
+    ``mm.jit`` ``in_shardings`` entry) shards over an axis other than the stage axis, and
+    the program names no sharded layout. Its fragments' layouts are then known before
+    compiling, so one submesh's copy of a program is keyed like another's."""
+
+    def spreads(spec: Any, sizes: dict[str, int]) -> bool:
+        names = []
+        for p in spec:
+            names += list(p) if isinstance(p, tuple) else [p]
+        return any(isinstance(a, str) and a != stage_axis and sizes.get(a, 2) > 1 for a in names)
+
+    for sh in arg_shardings:
+        if isinstance(sh, jax.sharding.NamedSharding):
+            if spreads(sh.spec, dict(sh.mesh.shape)):
+                return False
+        elif sh is not None and not sh.is_fully_replicated:
+            return False
+    given = jax.tree.leaves(
+        in_shardings,
+        is_leaf=lambda x: isinstance(x, (jax.sharding.PartitionSpec, jax.sharding.Sharding)),
+    )
+    for g in given:
+        if isinstance(g, jax.sharding.NamedSharding):
+            g = g.spec
+        if isinstance(g, jax.sharding.PartitionSpec) and spreads(g, {}):
+            return False
+    return all(_names_nothing(p) for p in embedded_placements(jaxpr, CONTEXT_ONLY))
+
+
 def _names_nothing(sh: Any) -> bool:
     """A placement that shards nothing: a sharding-in-types annotation such as a
     ``dot_general``'s ``out_sharding`` of spec ``P()`` (in device memory)."""
