@@ -33,6 +33,7 @@ from multimesh.arguments import (
     deleted_error,
     in_sharding_leaves,
     leaf_key,
+    spec_axes,
     trace_arg,
 )
 from multimesh.compiler import inline, label, layers
@@ -243,7 +244,7 @@ class MpmdFunction:
                         f"uses it (stage {stage}, devices {list(target.device_ids)}); give a "
                         "PartitionSpec, or a NamedSharding on the global or that submesh."
                     )
-                missing = [a for a in sorted(_spec_axes(spec)) if a not in mesh.axis_names]
+                missing = [a for a in sorted(spec_axes(spec)) if a not in mesh.axis_names]
                 if missing:
                     raise ValueError(
                         f"in_shardings for argument {name}: {spec} names {missing}, which "
@@ -314,16 +315,6 @@ def _abstract(key: Hashable) -> Hashable:
     """The part of a signature that tracing depends on (no placements)."""
     in_tree, static, mesh_key, keys = key  # type: ignore[misc]
     return (in_tree, static, mesh_key, tuple(k[:3] for k in keys))
-
-
-def _spec_axes(spec: PartitionSpec) -> set[str]:
-    out: set[str] = set()
-    for e in spec:
-        if isinstance(e, str):
-            out.add(e)
-        elif isinstance(e, tuple):
-            out.update(x for x in e if isinstance(x, str))
-    return out
 
 
 def _is_spec(x: Any) -> bool:

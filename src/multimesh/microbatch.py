@@ -168,7 +168,7 @@ def microbatch(
                 # traced once, like the reference scan's body: every microbatch calls the
                 # same jitted function, a cache hit after the first (the compiler inlines
                 # each call in its microbatch scope), so tracing does not grow with M
-                batch = tuple(i for i in range(len(args)) if i in specs)
+                batch = tuple(sorted(specs))
                 traced_once = jax.jit(lambda bp: call(_with_batch(pieces[0], batch, bp)))
                 acc: Any = None
                 per_mb: list[tuple[Any, Any]] = []

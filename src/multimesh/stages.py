@@ -71,8 +71,9 @@ class Lowered:
         stage_axis = mmesh.stage_axis if mmesh is not None else None
         # stacked layers split over stages: stage-sharded arguments enter as their
         # per-stage rows, and split outputs leave as one stage-sharded array
+        arg_shardings = [committed_sharding(x) for x in flat]
         prog, self._pieces, keep = layers.bind_stage_inputs(
-            prog, [committed_sharding(x) for x in flat], stage_axis, labels.targets
+            prog, arg_shardings, stage_axis, labels.targets
         )
         if self._pieces:
             labels = labels.select(keep)
@@ -95,7 +96,7 @@ class Lowered:
         # a stage's shared tasks (blocks) split from its own (embedding, head) share the
         # other stages' executables only where layouts are known before compiling
         split = compiling.layouts_replicated(
-            [committed_sharding(x) for x in flat], fn._in_shardings, traced.jaxpr.jaxpr, stage_axis
+            arg_shardings, fn._in_shardings, traced.jaxpr.jaxpr, stage_axis
         )
         frags = frag_pass.fragment(prog, placement, labels, traced.loops, split_shared=split)
         prog, labels, placement, frags = pack.pack_transfers(prog, labels, placement, frags)

@@ -406,32 +406,29 @@ def _segments(prog: FlatProgram, placement: Placement, labels: Labels | None, mb
             ts.append(t)
         eqns_of.setdefault((mb[0], t), []).append(i)
     sig = {key: _signature(prog, idx) for key, idx in eqns_of.items()}
-    runs_on: dict[tuple[int, Any], set[int]] = {}
+    task_on: dict[tuple[int, Any], set[int]] = {}  # (loop, task signature) -> submeshes
     for (loop, s), ts in order.items():
         for t in ts:
-            runs_on.setdefault((loop, sig[(loop, t)]), set()).add(s)
+            task_on.setdefault((loop, sig[(loop, t)]), set()).add(s)
     # each submesh's tasks as runs of consecutive shared / unshared ones
     runs: dict[tuple[int, int], list[tuple[bool, list[Any]]]] = {}
     run_on: dict[tuple[int, tuple[Any, ...]], set[int]] = {}  # shared runs' signatures
     for (loop, s), ts in order.items():
         mine = runs[(loop, s)] = []
         for t in ts:
-            shared = len(runs_on[(loop, sig[(loop, t)])]) > 1
+            shared = len(task_on[(loop, sig[(loop, t)])]) > 1
             if mine and mine[-1][0] == shared:
                 mine[-1][1].append(t)
             else:
                 mine.append((shared, [t]))
         for shared, run in mine:
             if shared:
-                key = (loop, tuple(sig[(loop, t)] for t in run))
-                run_on.setdefault(key, set()).add(s)
+                run_on.setdefault(_run_key(loop, run, sig), set()).add(s)
     seg_of: dict[tuple[int, int, Any], int] = {}
     for (loop, s), mine in runs.items():
         # split only where a shared run is a program another submesh runs too
         if len(mine) < 2 or not any(
-            len(run_on[(loop, tuple(sig[(loop, t)] for t in run))]) > 1
-            for shared, run in mine
-            if shared
+            shared and len(run_on[_run_key(loop, run, sig)]) > 1 for shared, run in mine
         ):
             continue
         for k, (_shared, run) in enumerate(mine):
@@ -471,6 +468,10 @@ def _segments(prog: FlatProgram, placement: Placement, labels: Labels | None, mb
         if j is not None:
             seg[i], known[i] = seg[j], True
     return seg
+
+
+def _run_key(loop: int, run: list[Any], sig: dict[tuple[int, Any], Any]) -> Any:
+    return (loop, tuple(sig[(loop, t)] for t in run))
 
 
 def _signature(prog: FlatProgram, idx: list[int]) -> Any:

@@ -17,6 +17,7 @@ from jax.extend import core as jcore
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from multimesh import _compat
+from multimesh.arguments import spec_axes
 
 _compat.register_exclusion(__file__)
 
@@ -33,20 +34,8 @@ class Ctx:
         return frozenset(int(d.id) for d in self.target.devices.flat)
 
 
-def _spec_axes(spec: PartitionSpec) -> set[str]:
-    out: set[str] = set()
-    for entry in spec:
-        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-            continue
-        if isinstance(entry, str):
-            out.add(entry)
-        else:
-            out.update(e for e in entry if isinstance(e, str))
-    return out
-
-
 def _check_spec(spec: PartitionSpec, ctx: Ctx) -> PartitionSpec:
-    if ctx.stage_axis is not None and ctx.stage_axis in _spec_axes(spec):
+    if ctx.stage_axis is not None and ctx.stage_axis in spec_axes(spec):
         raise ValueError(
             f"{ctx.where}: sharding spec {spec} names the stage axis {ctx.stage_axis!r}. "
             "Inside a task, shardings refer to the task's submesh, which has no stage axis; "
@@ -140,7 +129,7 @@ def rewrite_value(v: Any, ctx: Ctx) -> Any:
 def _check_shard_map(params: dict[str, Any], ctx: Ctx) -> None:
     for k in ("in_specs", "out_specs"):
         for spec in params.get(k, ()) or ():
-            if isinstance(spec, PartitionSpec) and ctx.stage_axis in _spec_axes(spec):
+            if isinstance(spec, PartitionSpec) and ctx.stage_axis in spec_axes(spec):
                 raise ValueError(
                     f"{ctx.where}: shard_map {k[:-6]} spec {spec} splits over the stage axis "
                     f"{ctx.stage_axis!r}, but inside a task the code runs on one submesh, "

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 
 from multimesh import _compat
+from multimesh.arguments import spec_axes
 
 _compat.register_exclusion(__file__)
 
@@ -242,10 +243,7 @@ def layouts_replicated(
     compiling, so one submesh's copy of a program is keyed like another's."""
 
     def spreads(spec: Any, sizes: dict[str, int]) -> bool:
-        names = []
-        for p in spec:
-            names += list(p) if isinstance(p, tuple) else [p]
-        return any(isinstance(a, str) and a != stage_axis and sizes.get(a, 2) > 1 for a in names)
+        return any(a != stage_axis and sizes.get(a, 2) > 1 for a in spec_axes(spec))
 
     for sh in arg_shardings:
         if isinstance(sh, jax.sharding.NamedSharding):

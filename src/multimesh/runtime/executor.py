@@ -204,8 +204,9 @@ class Executable:
                 self.donated_slots.update(in_ids[k] for k in donate)
                 body = _named(fn, "mm_" + _sanitize(info.name))
 
-                def keys(in_sh, f=f, out_sh=out_sh, donate=donate, mesh=mesh, jaxpr=jaxpr,
-                         placed=placed) -> tuple[Any, Any, list[Any]]:
+                def keys(
+                    in_sh, f=f, out_sh=out_sh, donate=donate, mesh=mesh, jaxpr=jaxpr, placed=placed
+                ) -> tuple[Any, Any, list[Any]]:
                     avals = [
                         jax.ShapeDtypeStruct(
                             v.aval.shape,
@@ -226,8 +227,17 @@ class Executable:
                     )
                     return key, rkey, avals
 
-                def job(in_sh, key, rkey, avals, out_sh=out_sh, donate=donate, body=body,
-                        info=info, mesh=mesh) -> Any:
+                def job(
+                    in_sh,
+                    key,
+                    rkey,
+                    avals,
+                    out_sh=out_sh,
+                    donate=donate,
+                    body=body,
+                    info=info,
+                    mesh=mesh,
+                ) -> Any:
                     def build() -> Any:
                         return _compile(body, in_sh, out_sh, donate, avals, options, info, mesh)
 
@@ -237,17 +247,13 @@ class Executable:
                         lambda: compiling.compile_or_relocate(cache, rkey, mesh, build, stats),
                     )
 
-                if known and loc is not None and not loc.has(mesh.devices.flat):
+                remote = loc is not None and not loc.has(mesh.devices.flat)
+                now = tuple(dict.get(slot_sh, i) for i in in_ids)
+                if remote and known:
                     # another process runs it, and its output layouts are known: nothing
                     # to compile here (that process compiles it)
-                    self.compiled.append(None)
-                    self._run_index.append(len(steps))
-                    for k, i in enumerate(out_ids):
-                        slot_sh[i] = out_sh[k]
-                    owned.update(out_ids)
-                    continue
-                now = tuple(dict.get(slot_sh, i) for i in in_ids)
-                if any(isinstance(sh, compiling.Pending) for sh in now):
+                    compiled = None
+                elif any(isinstance(sh, compiling.Pending) for sh in now):
                     # the input shardings are the producers' compiled output shardings
                     def waiting(in_ids=in_ids, keys=keys, job=job) -> Any:
                         in_sh = tuple(slot_sh[i] for i in in_ids)  # waits for the producers
@@ -280,8 +286,8 @@ class Executable:
                         else compiled.derive(lambda c, k=k: c.output_shardings[k])
                     )
                 owned.update(out_ids)
-                if loc is not None and not loc.has(mesh.devices.flat):
-                    continue  # another process runs it (compiled here for its shardings)
+                if remote:
+                    continue  # another process runs it (compiled here only for its shardings)
                 steps.append((_RUN, compiled, tuple(in_ids), tuple(out_ids), tuple(st.free)))
                 continue
             elif st.kind == "transfer":

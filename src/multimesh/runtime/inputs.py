@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh import _compat
+from multimesh.arguments import spec_axes
 from multimesh.compiler.ir import ANY, Target
 
 _compat.register_exclusion(__file__)
@@ -46,7 +47,7 @@ def analyze(x: Any, targets: list[Target], stage_axis: str | None) -> InputInfo:
     specs: list[tuple[int, PartitionSpec]] = []
     if isinstance(sh, NamedSharding) and stage_axis and stage_axis in sh.mesh.axis_names:
         mesh = sh.mesh
-        if stage_axis not in _spec_axes(sh.spec):
+        if stage_axis not in spec_axes(sh.spec):
             dim = tuple(mesh.axis_names).index(stage_axis)
             slices = {
                 tuple(int(d.id) for d in np.take(mesh.devices, [j], axis=dim).flat): j
@@ -64,13 +65,3 @@ def analyze(x: Any, targets: list[Target], stage_axis: str | None) -> InputInfo:
     if specs:
         return InputInfo(frozenset(s for s, _ in specs), "extract", tuple(specs))
     return InputInfo(ANY, "put")
-
-
-def _spec_axes(spec: PartitionSpec) -> set[str]:
-    out: set[str] = set()
-    for e in spec:
-        if isinstance(e, str):
-            out.add(e)
-        elif isinstance(e, tuple):
-            out.update(e)
-    return out
