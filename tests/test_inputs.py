@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import assert_close, reference, stage_of
 
 import multimesh as mm
@@ -161,3 +162,87 @@ def test_in_shardings(mesh4x2):
     got = f(x, x)
     np.testing.assert_allclose(np.asarray(got), np.arange(8.0) * 3)
     assert any(p.mode == "put" and p.arg == 0 and p.stage == 0 for p in plan.inputs)
+
+
+def _mb_grad(num_microbatches, **kw):
+    def loss(ws, x, y):
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                h = h + jnp.tanh(h @ w)
+        return jnp.mean((h - y) ** 2)
+
+    return mm.microbatch(
+        jax.value_and_grad(loss), num_microbatches, argnums=(1, 2), schedule="1f1b", **kw
+    )
+
+
+def _mb_args(stacked=False):
+    rng = np.random.default_rng(0)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(2)]
+    x = rng.normal(size=(4, 3, 8) if stacked else (12, 8)).astype(np.float32)
+    return ws, x, np.sin(x)
+
+
+def _host_cut(plan):
+    return [p for p in plan.inputs if p.mode == "host_slice"]
+
+
+def test_host_batch_cut_on_the_host(mesh4x2):
+    """Microbatches of a NumPy batch are cut on the host and put where they are used:
+    no submesh slices the batch; values and gradients equal jax.jit's, whether the batch
+    comes as NumPy, as an uncommitted device array or (for the compiled program) as a
+    committed one elsewhere."""
+    grad = _mb_grad(4)
+    f = mm.jit(grad, mesh=mesh4x2)
+    ws, x, y = _mb_args()
+    lowered = f.lower(ws, x, y)
+    cut = _host_cut(lowered.plan)
+    # 4 microbatches of x to stage 0, 4 of y to stage 1 (the loss); neither whole
+    assert sorted(p.stage for p in cut) == [0] * 4 + [1] * 4
+    assert "8 of them slices cut on the host" in lowered.as_text()
+    assert sorted(p.arg for p in lowered.plan.inputs if p.mode == "put") == [0, 1]
+    want = reference(grad, mesh4x2, ws, x, y)
+    assert_close(f(ws, x, y), want)
+    assert_close(f(ws, jnp.asarray(x), jnp.asarray(y)), want)  # uncommitted arrays
+    compiled = lowered.compile()
+    assert_close(compiled(ws, x, y), want)
+    far = jax.device_put(x, mesh4x2.submesh(3).devices.flat[1])
+    with pytest.raises(ValueError, match="argument x.*compiled for it as a host value"):
+        compiled(ws, far, y)
+    assert_close(f(ws, far, y), want)  # the mm.jit function compiles for that placement
+
+
+def test_host_cut_stacked_microbatches_and_plain_slices(mesh4x2):
+    """``stacked=True`` microbatches (a slice and a squeeze) and a user's own static
+    slice of a host argument are cut on the host too."""
+    grad = _mb_grad(4, stacked=True)
+    ws, x, y = _mb_args(stacked=True)
+    f = mm.jit(grad, mesh=mesh4x2)
+    assert len(_host_cut(f.lower(ws, x, y).plan)) == 8
+    assert_close(f(ws, x, y), reference(grad, mesh4x2, ws, x, y))
+
+    def g(x):
+        with mm.task("a", stage=2):
+            return x[1:3, ::2] * 2, x.sum()
+
+    x = np.arange(24.0, dtype=np.float32).reshape(4, 6)
+    gj = mm.jit(g, mesh=mesh4x2)
+    assert len(_host_cut(gj.lower(x).plan)) == 1
+    assert_close(gj(x), reference(g, mesh4x2, x))
+
+
+def test_host_cut_not_where_a_layout_is_asked(mesh4x2):
+    """A batch with ``in_shardings`` (mm.jit's or microbatch's) is put whole and sliced
+    on its submesh, in the layout asked for."""
+    ws, x, y = _mb_args()
+    grad = _mb_grad(4)
+    f = mm.jit(grad, mesh=mesh4x2, in_shardings=(None, jax.P("data"), None))
+    plan = f.lower(ws, x, y).plan
+    assert sorted(p.stage for p in _host_cut(plan)) == [1] * 4  # y only
+    assert any(p.mode == "put" and p.arg == 2 for p in plan.inputs)
+    assert_close(f(ws, x, y), reference(grad, mesh4x2, ws, x, y))
+    grad = _mb_grad(4, in_shardings=jax.P("data"))
+    f = mm.jit(grad, mesh=mesh4x2)
+    assert not _host_cut(f.lower(ws, x, y).plan)
+    assert_close(f(ws, x, y), reference(grad, mesh4x2, ws, x, y))

@@ -20,9 +20,9 @@ import jax
 from multimesh import _compat
 from multimesh.arguments import Call, DeletedArgument, check_call_types, deleted_error, leaf_key
 from multimesh.compiler import fragment as frag_pass
-from multimesh.compiler import layers, pack, place
+from multimesh.compiler import layers, pack, place, slices
 from multimesh.compiler import plan as plan_pass
-from multimesh.compiler.ir import FlatProgram, Labels
+from multimesh.compiler.ir import ANY, FlatProgram, Labels
 from multimesh.runtime import compiling
 from multimesh.runtime.executor import Executable
 from multimesh.runtime.inputs import InputInfo, analyze, committed_sharding
@@ -77,6 +77,16 @@ class Lowered:
         )
         if self._pieces:
             labels = labels.select(keep)
+        # slices of host arguments (microbatches of a NumPy batch) are cut on the host
+        put_sh = fn._put_shardings(labels, call, flat)
+        eligible = [
+            sh is None and put is None and not _is_key(x)
+            for x, sh, put in zip(flat, arg_shardings, put_sh)
+        ]
+        prog, host_slices, keep = slices.bind_host_slices(prog, eligible)
+        if keep is not None:
+            labels = labels.select(keep)
+        self._pieces = {**self._pieces, **host_slices}
         self._assembled: dict[int, list[int]] = {}
         if mmesh is not None:
             prog, self._assembled = layers.bind_stage_outputs(prog, mmesh.num_stages, out_shardings)
@@ -85,7 +95,10 @@ class Lowered:
             )
         self.input_infos: list[InputInfo] = [analyze(x, labels.targets, stage_axis) for x in flat]
         self.input_infos += [
-            InputInfo(frozenset({p.stage}), "piece") for _j, p in sorted(self._pieces.items())
+            InputInfo(ANY, "host_slice")
+            if isinstance(p, slices.HostSlice)
+            else InputInfo(frozenset({p.stage}), "piece")
+            for _j, p in sorted(self._pieces.items())
         ]
         default = (
             min(s for s in labels.stages if s is not None)
@@ -258,6 +271,13 @@ class Compiled:
                     "compiled for it uncommitted (put by the plan), which a multi-process "
                     "run cannot do for committed arrays; compile for this placement (call "
                     "the mm.jit function, or lower it with this argument) instead."
+                )
+            if sh is not None and i in homes and homes[i] is None:
+                raise ValueError(
+                    f"argument {names[i]} is placed as {sh}, but this program was compiled "
+                    "for it as a host value (its slices are cut on the host and put where "
+                    "they are used); pass it uncommitted (a NumPy array) or compile for "
+                    "this placement (calling the mm.jit function does that)."
                 )
             if sh is not None and i in homes and not _same_sharding(sh, homes[i], self._ndims[i]):
                 raise ValueError(
@@ -454,3 +474,8 @@ class CostAnalysis(dict):
         super().__init__(total)
         self.per_fragment = per_fragment
         self.per_submesh = per_submesh
+
+
+def _is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended)

@@ -52,7 +52,7 @@ class InputPut:
 
     arg: int  # flat argument index; -1 - k for constant k
     stage: int
-    mode: str  # "as_is" | "extract" | "put" | "const"
+    mode: str  # "as_is" | "extract" | "put" | "host_slice" | "piece" | "const"
     nbytes: int
 
 
@@ -89,12 +89,14 @@ class Plan:
             f"MPMD plan: {len(self.fragments)} fragments, {len(self.transfers)} transfers of "
             f"{nvals} values ({sum(t.nbytes for t in self.transfers)} bytes between submeshes)"
         ]
-        puts = [p for p in self.inputs if p.mode == "put"]
+        puts = [p for p in self.inputs if p.mode in ("put", "host_slice")]
         placed = [p for p in self.inputs if p.mode in ("as_is", "extract")]
         if puts:
+            cut = sum(p.mode == "host_slice" for p in puts)
             lines.append(
                 f"  inputs: {len(puts)} put from the host or other devices "
-                f"({sum(p.nbytes for p in puts)} bytes)"
+                f"({sum(p.nbytes for p in puts)} bytes"
+                + (f"; {cut} of them slices cut on the host)" if cut else ")")
             )
         if placed:
             lines.append(f"  inputs: {len(placed)} used where they already are")

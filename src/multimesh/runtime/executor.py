@@ -22,6 +22,7 @@ from multimesh.compiler import layers
 from multimesh.compiler import shardings as shard_pass
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.plan import Plan
+from multimesh.compiler.slices import HostSlice
 from multimesh.runtime import compiling, crossproc
 from multimesh.runtime import outputs as out_pass
 from multimesh.runtime import transfer as tr
@@ -416,6 +417,7 @@ class Executable:
         # per argument: (slot, sharding, rows cut from it or None, shape)
         per_arg: dict[int, list[tuple[int, Any, Any, tuple[int, ...]]]] = {}
         in_place: set[int] = set()  # arguments used where they are (as is / sliced)
+        host_cut: set[int] = set()  # arguments sliced before they are put
         all_arg: dict[int, list[Any]] = {}  # per argument: every stage's sharding
         for ip, sid in st.items:
             mesh = targets[ip.stage].mesh
@@ -443,6 +445,11 @@ class Executable:
                     mesh, layers.piece_spec(sample_args[a].sharding, self._stage_axis)
                 )
                 in_place.add(a)
+            elif ip.mode == "host_slice":  # a static slice of a host argument, put
+                cut = pieces[a]
+                a = cut.arg
+                host_cut.add(a)
+                sh = NamedSharding(mesh, PartitionSpec())
             else:
                 chooser = put_shardings[a]
                 sh = (
@@ -459,6 +466,8 @@ class Executable:
         def home_of(a: int, shs: list[Any]) -> Any:
             if a in in_place:
                 return sample_args[a].sharding
+            if a in host_cut:
+                return None
             return shs[0] if len(shs) == 1 else tr.union_sharding(shs, self._stage_axis)
 
         #: per argument with input slots: the sharding it is used in place with (or None),
@@ -492,6 +501,17 @@ class Executable:
         make = jax.make_array_from_single_device_arrays
         pieces_of = _compat.single_device_arrays
 
+        splitters: dict[int, Callable[..., Any]] = {}
+
+        def split_on_device(a: int, tgts: tuple[Any, ...], v: jax.Array) -> Any:
+            """A device array given for a host-sliced argument: its slices, cut by one
+            jitted call where it is (compiled on first use), then put as host slices."""
+            fn = splitters.get(a)
+            if fn is None:
+                cuts = [cut for _sid, _sh, cut, _shape in tgts if cut is not None]
+                fn = splitters[a] = jax.jit(lambda x: tuple(c.cut(x) for c in cuts))
+            return fn(v)
+
         def run_inputs(env: list[Any], args: Sequence[Any]) -> None:
             ids: list[int] = []
             vals: list[Any] = []
@@ -511,9 +531,21 @@ class Executable:
                     # a process-local value onto a submesh split over processes: every
                     # process puts its part of the same host value
                     v = np.asarray(v)
+                if a in host_cut and isinstance(v, jax.Array):
+                    cuts = iter(split_on_device(a, tgts, v))
+                    for sid, sh, cut, _shape in tgts:
+                        ids.append(sid)
+                        vals.append(v if cut is None else next(cuts))
+                        shs.append(sh)
+                    continue
                 for sid, sh, cut, _shape in tgts:
                     ids.append(sid)
-                    vals.append(v if cut is None else v[cut[0] : cut[1]])
+                    if cut is None:
+                        vals.append(v)
+                    elif isinstance(cut, HostSlice):
+                        vals.append(cut.cut(v))
+                    else:
+                        vals.append(v[cut[0] : cut[1]])
                     shs.append(sh)
             if ids:
                 for sid, v in zip(ids, put(vals, shs)):
