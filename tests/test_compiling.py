@@ -659,3 +659,32 @@ def test_layouts_replicated_decides_the_split():
     dp = mm.jit(step, mesh=mesh42, in_shardings=(None, P("data"), P("data"))).lower(params, x, y)
     names = {f.name for f in dp.plan.fragments}
     assert "embed:F0" not in names and any(n.startswith("embed+block0:") for n in names), names
+
+
+def test_loss_zero_made_on_the_host_so_every_stage_shares_one_pre_loop_program():
+    """The loss accumulator's zero (a scalar) is made on the host and put each call, so
+    the last stage's pre-loop program (gradient zeros) is every stage's: one compile,
+    relocated to the others. Its buffer is fresh every call, so microbatch 0's fragment
+    still donates it like the others' (one executable); values = jax.jit exactly."""
+    step, ws, x, mesh = one_device_pipeline(7)
+    lowered = mm.jit(step, mesh=mesh).lower(ws, x)
+    made = [p for p in lowered.plan.inputs if p.mode == "host_const"]
+    assert [(p.stage, p.nbytes) for p in made] == [(3, 4)]  # the f32 loss zero
+    c = lowered.compile()
+    pre = [
+        (f, frag)
+        for f, frag in zip(c.plan.fragments, c.fragments)
+        if ":" not in f.name and "#" not in f.name
+    ]
+    assert sorted(f.stage for f, _ in pre) == [0, 1, 2, 3]
+    programs = {
+        tuple((tuple(o.shape), str(o.dtype)) for o in jax.tree.leaves(frag.out_info))
+        for _f, frag in pre
+    }
+    assert programs == {(((8, 8), "float32"),)}, programs  # one gradient zero each, no scalar
+    assert c.compile_stats["relocated"] >= 3
+    for _ in range(2):  # fresh zeros every call: a donated one is not reused
+        out = c(ws, x)
+        ref = jax.jit(step)(ws, x)
+        for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(r))

@@ -20,7 +20,7 @@ import jax
 from multimesh import _compat
 from multimesh.arguments import Call, DeletedArgument, check_call_types, deleted_error, leaf_key
 from multimesh.compiler import fragment as frag_pass
-from multimesh.compiler import layers, pack, place, slices
+from multimesh.compiler import host_inputs, layers, pack, place
 from multimesh.compiler import plan as plan_pass
 from multimesh.compiler.ir import ANY, FlatProgram, Labels
 from multimesh.runtime import compiling
@@ -83,10 +83,14 @@ class Lowered:
             sh is None and put is None and not _is_key(x)
             for x, sh, put in zip(flat, arg_shardings, put_sh)
         ]
-        prog, host_slices, keep = slices.bind_host_slices(prog, eligible)
+        prog, host_slices, keep = host_inputs.bind_host_slices(prog, eligible)
         if keep is not None:
             labels = labels.select(keep)
-        self._pieces = {**self._pieces, **host_slices}
+        # ... and small constants made before the loop (a loss accumulator's zero) too
+        prog, host_consts, keep = host_inputs.bind_host_consts(prog, labels)
+        if keep is not None:
+            labels = labels.select(keep)
+        self._pieces = {**self._pieces, **host_slices, **host_consts}
         self._assembled: dict[int, list[int]] = {}
         if mmesh is not None:
             prog, self._assembled = layers.bind_stage_outputs(prog, mmesh.num_stages, out_shardings)
@@ -96,7 +100,9 @@ class Lowered:
         self.input_infos: list[InputInfo] = [analyze(x, labels.targets, stage_axis) for x in flat]
         self.input_infos += [
             InputInfo(ANY, "host_slice")
-            if isinstance(p, slices.HostSlice)
+            if isinstance(p, host_inputs.HostSlice)
+            else InputInfo(ANY, "host_const")
+            if isinstance(p, host_inputs.HostConst)
             else InputInfo(frozenset({p.stage}), "piece")
             for _j, p in sorted(self._pieces.items())
         ]

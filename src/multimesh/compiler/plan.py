@@ -52,7 +52,7 @@ class InputPut:
 
     arg: int  # flat argument index; -1 - k for constant k
     stage: int
-    mode: str  # "as_is" | "extract" | "put" | "host_slice" | "piece" | "const"
+    mode: str  # "as_is" | "extract" | "put" | "host_slice" | "host_const" | "piece" | "const"
     nbytes: int
 
 
@@ -89,7 +89,7 @@ class Plan:
             f"MPMD plan: {len(self.fragments)} fragments, {len(self.transfers)} transfers of "
             f"{nvals} values ({sum(t.nbytes for t in self.transfers)} bytes between submeshes)"
         ]
-        puts = [p for p in self.inputs if p.mode in ("put", "host_slice")]
+        puts = [p for p in self.inputs if p.mode in ("put", "host_slice", "host_const")]
         placed = [p for p in self.inputs if p.mode in ("as_is", "extract")]
         if puts:
             cut = sum(p.mode == "host_slice" for p in puts)

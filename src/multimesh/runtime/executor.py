@@ -20,9 +20,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from multimesh import _compat
 from multimesh.compiler import layers
 from multimesh.compiler import shardings as shard_pass
+from multimesh.compiler.host_inputs import HostConst, HostSlice
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.plan import Plan
-from multimesh.compiler.slices import HostSlice
 from multimesh.runtime import compiling, crossproc
 from multimesh.runtime import outputs as out_pass
 from multimesh.runtime import transfer as tr
@@ -418,6 +418,7 @@ class Executable:
         per_arg: dict[int, list[tuple[int, Any, Any, tuple[int, ...]]]] = {}
         in_place: set[int] = set()  # arguments used where they are (as is / sliced)
         host_cut: set[int] = set()  # arguments sliced before they are put
+        made: list[tuple[int, Any, HostConst]] = []  # constants made on the host
         all_arg: dict[int, list[Any]] = {}  # per argument: every stage's sharding
         for ip, sid in st.items:
             mesh = targets[ip.stage].mesh
@@ -431,6 +432,12 @@ class Executable:
                 continue
             a, cut = ip.arg, None
             local = self._loc is None or self._loc.has(mesh.devices.flat)
+            if ip.mode == "host_const":  # a small constant made on the host each call
+                sh = slot_sh[sid] = NamedSharding(mesh, PartitionSpec())
+                if local:
+                    made.append((sid, sh, pieces[a]))
+                    donatable.add(sid)  # a fresh buffer every call
+                continue
             if ip.mode == "as_is":
                 sh = sample_args[a].sharding
                 in_place.add(a)
@@ -494,6 +501,7 @@ class Executable:
             aval = slot_var[tgts[0][0]].aval
             leaves.append((a, home, tuple(direct), tuple(extracts), tuple(tgts), aval))
         leaves_t = tuple(leaves)
+        made_t = tuple(made)
         spans = self._loc is not None and any(
             not sh.is_fully_addressable for *_x, tgts, _a in leaves for _s, sh, _c, _p in tgts
         )
@@ -547,6 +555,10 @@ class Executable:
                     else:
                         vals.append(v[cut[0] : cut[1]])
                     shs.append(sh)
+            for sid, sh, const in made_t:
+                ids.append(sid)
+                vals.append(const.make())
+                shs.append(sh)
             if ids:
                 for sid, v in zip(ids, put(vals, shs)):
                     env[sid] = v
