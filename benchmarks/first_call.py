@@ -14,7 +14,7 @@ Models: ``mlp`` (the multi-process benchmark's residual MLP: 4 stages, 8 layers,
 stages (2 devices each), 1F1B with 4 microbatches, AdamW). Ratios are against
 ``jax``; medians of ``--repeats`` runs, interleaved.
 
-Run:  python benchmarks/first_call.py [--quick] [--out PATH]
+Run:  python benchmarks/first_call.py [--quick] [--repeats N] [--models mlp gpt] [--out PATH]
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one repeat, the MLP only")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--models", nargs="+", choices=["mlp", "gpt"], default=["mlp", "gpt"])
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     ns = ap.parse_args()
     if ns.child:
@@ -104,7 +105,7 @@ def main() -> None:
     out = _common.environment("first_call", ns.quick)
     out["loadavg_start"] = list(os.getloadavg())
     repeats = 1 if ns.quick else ns.repeats
-    models = ["mlp"] if ns.quick else ["mlp", "gpt"]
+    models = ["mlp"] if ns.quick else ns.models
     out["models"] = {}
     for model in models:
         times: dict[str, list[float]] = {v: [] for v in ("jax", "mm", "mm_serial", "mm_cached")}

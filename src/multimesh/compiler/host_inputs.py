@@ -8,8 +8,8 @@
   needs it. No submesh then compiles a program of slices (on XLA:CPU one kernel per
   slice: 0.1 s of the first call for a batch cut 8 ways) nor receives the whole batch.
 - **Host constants.** Small constant arrays made before any task or loop (a loss
-  accumulator's zero) are made on the host and put, each call, as a fresh buffer: the
-  submeshes' pre-loop programs then differ less (one program of gradient zeros, shared
+  accumulator's zero) are made on the host and put once (buffers this small are never
+  donated, so every call reuses it): the submeshes' pre-loop programs then differ less (one program of gradient zeros, shared
   by every stage, instead of one more compile for the stage that also sums the loss).
 
 Pure functions over plain data, run after ``layers.bind_stage_inputs``.
@@ -114,13 +114,10 @@ HOST_CONST_MAX_BYTES = 64
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HostConst:
-    """A program input that is a small constant array, made on the host each call."""
+    """A program input that is a small constant array, put once (buffers this small are
+    never donated, so every call uses the same one)."""
 
     value: np.ndarray
-
-    def make(self) -> np.ndarray:
-        """A fresh copy (the put buffer may be donated to the fragment using it)."""
-        return self.value.copy()
 
 
 def bind_host_consts(

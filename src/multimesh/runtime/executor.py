@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from multimesh import _compat
 from multimesh.compiler import layers
 from multimesh.compiler import shardings as shard_pass
-from multimesh.compiler.host_inputs import HostConst, HostSlice
+from multimesh.compiler.host_inputs import HOST_CONST_MAX_BYTES, HostSlice
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.plan import Plan
 from multimesh.runtime import compiling, crossproc
@@ -196,7 +196,7 @@ class Executable:
                     if i in donatable:
                         donate_l.append(k)
                         continue
-                    if i in owned:
+                    if i in owned and not _small(slot_var[i].aval):
                         key_av = (tuple(slot_var[i].aval.shape), slot_var[i].aval.dtype)
                         if key_av in out_avals and not _is_key(slot_var[i].aval):
                             out_avals.remove(key_av)
@@ -418,7 +418,6 @@ class Executable:
         per_arg: dict[int, list[tuple[int, Any, Any, tuple[int, ...]]]] = {}
         in_place: set[int] = set()  # arguments used where they are (as is / sliced)
         host_cut: set[int] = set()  # arguments sliced before they are put
-        made: list[tuple[int, Any, HostConst]] = []  # constants made on the host
         all_arg: dict[int, list[Any]] = {}  # per argument: every stage's sharding
         for ip, sid in st.items:
             mesh = targets[ip.stage].mesh
@@ -432,11 +431,10 @@ class Executable:
                 continue
             a, cut = ip.arg, None
             local = self._loc is None or self._loc.has(mesh.devices.flat)
-            if ip.mode == "host_const":  # a small constant made on the host each call
+            if ip.mode == "host_const":  # a small constant made on the host: put once
                 sh = slot_sh[sid] = NamedSharding(mesh, PartitionSpec())
-                if local:
-                    made.append((sid, sh, pieces[a]))
-                    donatable.add(sid)  # a fresh buffer every call
+                if local:  # never donated (too small), so every call can use it
+                    template[sid] = jax.device_put(pieces[a].value, sh)
                 continue
             if ip.mode == "as_is":
                 sh = sample_args[a].sharding
@@ -501,7 +499,6 @@ class Executable:
             aval = slot_var[tgts[0][0]].aval
             leaves.append((a, home, tuple(direct), tuple(extracts), tuple(tgts), aval))
         leaves_t = tuple(leaves)
-        made_t = tuple(made)
         spans = self._loc is not None and any(
             not sh.is_fully_addressable for *_x, tgts, _a in leaves for _s, sh, _c, _p in tgts
         )
@@ -555,10 +552,6 @@ class Executable:
                     else:
                         vals.append(v[cut[0] : cut[1]])
                     shs.append(sh)
-            for sid, sh, const in made_t:
-                ids.append(sid)
-                vals.append(const.make())
-                shs.append(sh)
             if ids:
                 for sid, v in zip(ids, put(vals, shs)):
                     env[sid] = v
@@ -721,6 +714,15 @@ def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
     body.__name__ = body.__qualname__ = name
     return body
+
+
+def _small(aval: Any) -> bool:
+    """Too small for donating it to save anything (a loss accumulator): not donated, so
+    that the first microbatch's fragment, which gets it from a constant made once on the
+    host (``host_inputs.HostConst``), is the same program as the others'."""
+    if _is_key(aval):
+        return False
+    return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize <= HOST_CONST_MAX_BYTES
 
 
 def _is_key(aval: Any) -> bool:
