@@ -91,7 +91,9 @@ def microbatch(
       :class:`multimesh.schedules.Schedule`).
 
     Outside ``mm.jit`` this is a ``lax.scan`` over microbatches (the reference); inside,
-    the loop is unrolled and its fragments run in the schedule's order.
+    the loop is unrolled and its fragments run in the schedule's order, and a batch
+    argument that comes from the host (NumPy, uncommitted) is cut into its microbatches
+    on the host, each put where it is used (unless ``in_shardings`` asks for a layout).
     """
     if (
         not isinstance(num_microbatches, int)
