@@ -689,3 +689,47 @@ def test_loss_zero_made_on_the_host_so_every_stage_shares_one_pre_loop_program()
         ref = jax.jit(step)(ws, x)
         for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
+def test_committed_batch_cut_inside_each_microbatch(schedule):
+    """A batch already on its submesh is cut inside each microbatch's work, at an offset
+    given as an input (a constant put once): no pre-loop program slices it, every
+    microbatch is still one program, and values = jax.jit exactly."""
+    step = pipeline_step(schedule)
+    _, ws, x, mesh = one_device_pipeline(8)
+    xd = jax.device_put(x, mesh.submesh(0).devices.flat[0])
+    lowered = mm.jit(step, mesh=mesh).lower(ws, xd)
+    assert any(p.mode == "as_is" for p in lowered.plan.inputs)
+    made = [p for p in lowered.plan.inputs if p.mode == "host_const"]
+    assert len(made) == 4 * 2 + 1  # 4 microbatches x 2 dimensions, and the loss zero
+    assert "small constants made on the host once" in lowered.as_text()
+    c = lowered.compile()
+    for f, frag in zip(c.plan.fragments, c.fragments):
+        if f.stage == 0 and ":" not in f.name and "#" not in f.name:  # before the loop
+            assert not jax.tree.leaves(frag.input_shardings), f.name  # no batch to slice
+    stage0 = {
+        id(frag) for f, frag in zip(c.plan.fragments, c.fragments) if f.name.startswith("s0:F")
+    }
+    assert len(stage0) == 1  # every microbatch's forward on stage 0: one executable
+    for _ in range(2):
+        out = c(ws, xd)
+        ref = jax.jit(step)(ws, x)
+        for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
+def test_sharded_batch_keeps_its_slices(mesh4x2):
+    """A batch sharded over a submesh's axis is not cut by dynamic offsets (that would
+    gather it): it is sliced before the loop, in its layout."""
+    step = pipeline_step("1f1b")
+    _, ws, x, _mesh = one_device_pipeline(9)
+    sh = jax.sharding.NamedSharding(mesh4x2.submesh(0), jax.P("data"))
+    xd = jax.device_put(x, sh)
+    lowered = mm.jit(step, mesh=mesh4x2).lower(ws, xd)
+    made = [p for p in lowered.plan.inputs if p.mode == "host_const"]
+    assert len(made) == 1  # the loss zero only: no offsets
+    out = lowered.compile()(ws, xd)
+    ref = jax.jit(step)(ws, x)
+    for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-6)

@@ -344,3 +344,16 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
         return int(params["num_consts"]), int(params["num_carry"])
     consts, carry, _xs = params["ft_in"].unpack()
     return len(list(consts.vals)), len(list(carry.vals))
+
+
+def scalar_aval(dtype: Any) -> Any:
+    """The abstract value of a scalar of ``dtype``."""
+    return jax.core.ShapedArray((), np.dtype(dtype))
+
+
+def dynamic_slice_eqn(eqn: Any, invars: list[Any], sizes: tuple[int, ...]) -> Any:
+    """``eqn`` (a static ``slice``) as a ``dynamic_slice`` of ``invars`` (operand, then
+    one scalar start index per dimension), with the same output."""
+    return eqn.replace(
+        primitive=jax.lax.dynamic_slice_p, invars=invars, params={"slice_sizes": sizes}
+    )

@@ -90,7 +90,21 @@ class Lowered:
         prog, host_consts, keep = host_inputs.bind_host_consts(prog, labels)
         if keep is not None:
             labels = labels.select(keep)
-        self._pieces = {**self._pieces, **host_slices, **host_consts}
+        # a stage's shared tasks (blocks) split from its own (embedding, head) share the
+        # other stages' executables only where layouts are known before compiling
+        split = compiling.layouts_replicated(
+            arg_shardings, fn._in_shardings, traced.jaxpr.jaxpr, stage_axis
+        )
+        # ... and there, microbatches of arguments already on a submesh are cut inside
+        # each microbatch's work, at offsets given as inputs
+        cuts: dict[int, Any] = {}
+        if split:
+            prog, labels, cuts = host_inputs.bind_microbatch_cuts(
+                prog,
+                labels,
+                [sh is not None and put is None for sh, put in zip(arg_shardings, put_sh)],
+            )
+        self._pieces = {**self._pieces, **host_slices, **host_consts, **cuts}
         self._assembled: dict[int, list[int]] = {}
         if mmesh is not None:
             prog, self._assembled = layers.bind_stage_outputs(prog, mmesh.num_stages, out_shardings)
@@ -112,11 +126,6 @@ class Lowered:
             else 0
         )
         placement = place.place(prog, labels, [i.loc for i in self.input_infos], default)
-        # a stage's shared tasks (blocks) split from its own (embedding, head) share the
-        # other stages' executables only where layouts are known before compiling
-        split = compiling.layouts_replicated(
-            arg_shardings, fn._in_shardings, traced.jaxpr.jaxpr, stage_axis
-        )
         frags = frag_pass.fragment(prog, placement, labels, traced.loops, split_shared=split)
         prog, labels, placement, frags = pack.pack_transfers(prog, labels, placement, frags)
         self._prog, self._labels = prog, labels

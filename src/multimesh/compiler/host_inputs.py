@@ -174,3 +174,71 @@ def bind_host_consts(
         consts,
         keep,
     )
+
+
+def bind_microbatch_cuts(
+    prog: FlatProgram, labels: Labels, eligible: Sequence[bool]
+) -> tuple[FlatProgram, Labels, dict[int, HostConst]]:
+    """Static slices of eligible program inputs (device arrays already in place) used only
+    by one microbatch's work become ``dynamic_slice``\\ s in that microbatch, at offsets
+    that are program inputs (host constants, put once).
+
+    Every microbatch's work then is one program still (the offsets are inputs), and no
+    submesh compiles a program of slices before the loop: each microbatch reads its rows
+    of the argument where it is used. Only for replicated layouts (the caller's
+    ``eligible``): a dynamic slice of a sharded dimension would gather it."""
+    cand = {v: k for k, v in enumerate(prog.invars[: len(eligible)]) if eligible[k]}
+    if not cand or not labels.microbatch:
+        return prog, labels, {}
+    users: dict[Any, list[int]] = {}
+    for i, e in enumerate(prog.eqns):
+        for v in e.invars:
+            if not isinstance(v, Literal):
+                users.setdefault(v, []).append(i)
+    outs = {v for v in prog.outvars if not isinstance(v, Literal)}
+    first_index = len(prog.invars)
+    eqns = list(prog.eqns)
+    mbs = list(labels.microbatch)
+    new_vars: list[Any] = []
+    consts: dict[int, HostConst] = {}
+    for i, e in enumerate(prog.eqns):
+        if (
+            e.primitive.name != "slice"
+            or isinstance(e.invars[0], Literal)
+            or e.invars[0] not in cand
+            or labels.tasks[i] is not None
+            or mbs[i] is not None
+        ):
+            continue
+        p = e.params
+        if any(s != 1 for s in (p.get("strides") or ())):
+            continue
+        v = e.outvars[0]
+        use = users.get(v, [])
+        where = {mbs[u] for u in use}
+        if (
+            not use
+            or v in outs
+            or v in prog.splits
+            or len(where) != 1
+            or None in where
+            or any(prog.eqns[u].primitive.name == "sharding_constraint" for u in use)
+        ):
+            continue
+        (mb,) = where
+        idx = []
+        for start in p["start_indices"]:
+            iv = _compat.Var(_compat.scalar_aval(np.int32))
+            new_vars.append(iv)
+            consts[first_index + len(new_vars) - 1] = HostConst(np.asarray(start, np.int32))
+            idx.append(iv)
+        sizes = tuple(int(b) - int(a) for a, b in zip(p["start_indices"], p["limit_indices"]))
+        eqns[i] = _compat.with_name_stack(
+            _compat.dynamic_slice_eqn(e, [e.invars[0], *idx], sizes),
+            _compat.push_scope(e.source_info.name_stack, f"mb{mb[1]}@mm:L{mb[0]}"),
+        )
+        mbs[i] = mb
+    if not consts:
+        return prog, labels, {}
+    prog = dataclasses.replace(prog, eqns=eqns, invars=list(prog.invars) + new_vars)
+    return prog, dataclasses.replace(labels, microbatch=mbs), consts

@@ -89,7 +89,8 @@ class Plan:
             f"MPMD plan: {len(self.fragments)} fragments, {len(self.transfers)} transfers of "
             f"{nvals} values ({sum(t.nbytes for t in self.transfers)} bytes between submeshes)"
         ]
-        puts = [p for p in self.inputs if p.mode in ("put", "host_slice", "host_const")]
+        puts = [p for p in self.inputs if p.mode in ("put", "host_slice")]
+        made = [p for p in self.inputs if p.mode == "host_const"]
         placed = [p for p in self.inputs if p.mode in ("as_is", "extract")]
         if puts:
             cut = sum(p.mode == "host_slice" for p in puts)
@@ -100,6 +101,11 @@ class Plan:
             )
         if placed:
             lines.append(f"  inputs: {len(placed)} used where they already are")
+        if made:
+            lines.append(
+                f"  inputs: {len(made)} small constants made on the host once "
+                "(accumulator zeros, microbatch offsets)"
+            )
         tr_by_after: dict[str, list[TransferInfo]] = {}
         for t in self.transfers:
             tr_by_after.setdefault(t.after, []).append(t)
