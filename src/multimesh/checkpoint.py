@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from multimesh import _compat
+from multimesh.runtime.transport import kv_client
 
 _compat.register_exclusion(__file__)
 
@@ -306,6 +307,7 @@ class CheckpointManager:
             create=True,
         )
         self._ocp = ocp
+        self._saves = 0  # multi-process saves started (names their host barriers)
         # the handler is named up front, so a new process can read existing steps' metadata
         self._m = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handler())
 
@@ -314,7 +316,21 @@ class CheckpointManager:
         arrays are copied first, so training may go on and donate them). Returns
         whether a save happened (``save_interval_steps``)."""
         accept_mpmd_arrays()
+        if jax.process_count() > 1:
+            self._settle(state)
         return bool(self._m.save(step, args=self._ocp.args.PyTreeSave(state), force=force))
+
+    def _settle(self, state: Any) -> None:
+        """Multi-process: wait until every process's ``state`` is computed, with a host
+        barrier (the coordination service), before Orbax's own barrier, which is a
+        device collective: started while another process still pulls this step's
+        values from here, it can take the devices those pulls need and hang both
+        (seen on CPU: one process in the collective, the other waiting for its step)."""
+        jax.block_until_ready([x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)])
+        self._saves += 1
+        key = f"multimesh/checkpoint/{_compat.stable_hash(str(self.directory))}/{self._saves}"
+        timeout_s = float(os.environ.get("MULTIMESH_PLAN_TIMEOUT", "1800"))
+        kv_client().wait_at_barrier(key, int(timeout_s * 1000))
 
     def latest_step(self) -> int | None:
         """The newest complete step (interrupted saves are not steps)."""
