@@ -7,6 +7,7 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_platforms", "cpu")
@@ -45,6 +46,16 @@ def assert_close(got, want, rtol=1e-5, atol=1e-6):
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
         assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+def mlp_loss(ws, x, y):
+    """Residual tanh layers, layer ``i`` as task ``s<i>`` on stage ``i``; mean squared
+    error against ``y``."""
+    h = x
+    for i, w in enumerate(ws):
+        with mm.task(f"s{i}", stage=i):
+            h = h + jnp.tanh(h @ w)
+    return jnp.mean((h - y) ** 2)
 
 
 def reference(fn, mmesh, *args, **kwargs):

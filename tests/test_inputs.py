@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_close, reference, stage_of
+from conftest import assert_close, mlp_loss, reference, stage_of
 
 import multimesh as mm
 
@@ -165,15 +165,8 @@ def test_in_shardings(mesh4x2):
 
 
 def _mb_grad(num_microbatches, **kw):
-    def loss(ws, x, y):
-        h = x
-        for i, w in enumerate(ws):
-            with mm.task(f"s{i}", stage=i):
-                h = h + jnp.tanh(h @ w)
-        return jnp.mean((h - y) ** 2)
-
     return mm.microbatch(
-        jax.value_and_grad(loss), num_microbatches, argnums=(1, 2), schedule="1f1b", **kw
+        jax.value_and_grad(mlp_loss), num_microbatches, argnums=(1, 2), schedule="1f1b", **kw
     )
 
 

@@ -197,7 +197,7 @@ def leaf_key(x: Any) -> tuple[Any, ...]:
         sh = x.sharding if isinstance(x.sharding, Sharding) else None
         return (
             tuple(x.shape),
-            np.dtype(x.dtype) if not _extended(x.dtype) else x.dtype,
+            np.dtype(x.dtype) if not is_extended(x.dtype) else x.dtype,
             bool(getattr(x, "weak_type", False)),
             sh,
         )
@@ -231,8 +231,9 @@ def _traced_error() -> TypeError:
     )
 
 
-def _extended(dtype: Any) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+def is_extended(dtype: Any) -> bool:
+    """Whether ``dtype`` is an extended dtype (PRNG keys); ``None`` is not."""
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
 def trace_arg(x: Any) -> Any:

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from multimesh import _compat
+from multimesh.runtime import crossproc
 from multimesh.runtime.transport import kv_client
 
 _compat.register_exclusion(__file__)
@@ -329,8 +330,7 @@ class CheckpointManager:
         jax.block_until_ready([x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)])
         self._saves += 1
         key = f"multimesh/checkpoint/{_compat.stable_hash(str(self.directory))}/{self._saves}"
-        timeout_s = float(os.environ.get("MULTIMESH_PLAN_TIMEOUT", "1800"))
-        kv_client().wait_at_barrier(key, int(timeout_s * 1000))
+        kv_client().wait_at_barrier(key, int(crossproc.peer_timeout_s() * 1000))
 
     def latest_step(self) -> int | None:
         """The newest complete step (interrupted saves are not steps)."""

@@ -29,6 +29,11 @@ _compat.register_exclusion(__file__)
 _MB_RE = re.compile(r"^mb(?P<k>\d+)@mm:L(?P<loop>\d+)$")
 
 
+def microbatch_scope(loop: int, k: int) -> str:
+    """The marker scope of microbatch ``k`` of loop ``loop`` (see :func:`decode_microbatch`)."""
+    return f"mb{k}@mm:L{loop}"
+
+
 def decode_microbatch(scope: str) -> tuple[int, int] | None:
     """(loop id, microbatch index) for a microbatch marker scope, else ``None``."""
     if "@mm:L" not in scope:
@@ -176,7 +181,7 @@ def microbatch(
                 per_mb: list[tuple[Any, Any]] = []
                 red = None
                 for k in range(M):
-                    scope = f"mb{k}@mm:L{loop}"
+                    scope = microbatch_scope(loop, k)
                     with jax.named_scope(scope):
                         out, aux = traced_once(tuple(pieces[k][i] for i in batch))
                         if red is None:

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from multimesh import _compat
-from multimesh.arguments import Call, DeletedArgument, check_call_types, deleted_error, leaf_key
+from multimesh.arguments import (
+    Call,
+    DeletedArgument,
+    check_call_types,
+    deleted_error,
+    is_extended,
+    leaf_key,
+)
 from multimesh.compiler import fragment as frag_pass
 from multimesh.compiler import host_inputs, layers, pack, place
 from multimesh.compiler import plan as plan_pass
@@ -80,7 +87,7 @@ class Lowered:
         # slices of host arguments (microbatches of a NumPy batch) are cut on the host
         put_sh = fn._put_shardings(labels, call, flat)
         eligible = [
-            sh is None and put is None and not _is_key(x)
+            sh is None and put is None and not is_extended(getattr(x, "dtype", None))
             for x, sh, put in zip(flat, arg_shardings, put_sh)
         ]
         prog, host_slices, keep = host_inputs.bind_host_slices(prog, eligible)
@@ -112,14 +119,7 @@ class Lowered:
                 len(prog.outvars) - len(out_shardings)
             )
         self.input_infos: list[InputInfo] = [analyze(x, labels.targets, stage_axis) for x in flat]
-        self.input_infos += [
-            InputInfo(ANY, "host_slice")
-            if isinstance(p, host_inputs.HostSlice)
-            else InputInfo(ANY, "host_const")
-            if isinstance(p, host_inputs.HostConst)
-            else InputInfo(frozenset({p.stage}), "piece")
-            for _j, p in sorted(self._pieces.items())
-        ]
+        self.input_infos += [_piece_info(p) for _j, p in sorted(self._pieces.items())]
         default = (
             min(s for s in labels.stages if s is not None)
             if any(s is not None for s in labels.stages)
@@ -491,6 +491,10 @@ class CostAnalysis(dict):
         self.per_submesh = per_submesh
 
 
-def _is_key(x: Any) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+def _piece_info(p: Any) -> InputInfo:
+    """Where a program input cut or made from the arguments comes from."""
+    if isinstance(p, host_inputs.HostSlice):
+        return InputInfo(ANY, "host_slice")
+    if isinstance(p, host_inputs.HostConst):
+        return InputInfo(ANY, "host_const")
+    return InputInfo(frozenset({p.stage}), "piece")  # layers.InputPiece

@@ -9,8 +9,13 @@
   slice: 0.1 s of the first call for a batch cut 8 ways) nor receives the whole batch.
 - **Host constants.** Small constant arrays made before any task or loop (a loss
   accumulator's zero) are made on the host and put once (buffers this small are never
-  donated, so every call reuses it): the submeshes' pre-loop programs then differ less (one program of gradient zeros, shared
-  by every stage, instead of one more compile for the stage that also sums the loss).
+  donated, so every call reuses it): the submeshes' pre-loop programs then differ less
+  (one program of gradient zeros, shared by every stage, instead of one more compile for
+  the stage that also sums the loss).
+- **Microbatch cuts.** Where layouts are replicated, a static slice of an argument that
+  is already on a submesh, used by one microbatch only, becomes a ``dynamic_slice`` in
+  that microbatch at offsets given as host constants: every microbatch is still one
+  program, and none slices the batch before the loop.
 
 Pure functions over plain data, run after ``layers.bind_stage_inputs``.
 """
@@ -24,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from multimesh import _compat
-from multimesh.compiler.ir import FlatProgram, Labels, Literal
+from multimesh.compiler.ir import FlatProgram, Labels, Literal, aval_nbytes
+from multimesh.microbatch import microbatch_scope
 
 _compat.register_exclusion(__file__)
 
@@ -43,70 +49,6 @@ class HostSlice:
         return y if tuple(y.shape) == self.shape else y.reshape(self.shape)
 
 
-def bind_host_slices(
-    prog: FlatProgram, eligible: Sequence[bool]
-) -> tuple[FlatProgram, dict[int, HostSlice], list[int] | None]:
-    """Static slices (each optionally followed by a ``squeeze``) of eligible program
-    inputs become program inputs of their own, appended after ``prog.invars``.
-
-    ``eligible[k]``: input ``k`` comes from the host and may be cut there. A slice whose
-    value is constrained (``with_sharding_constraint``) stays a slice: the submesh
-    computes its layout. Returns the program, the new inputs by their index in
-    ``invars``, and the kept equations' indices (``None``: all)."""
-    first_index = len(prog.invars)
-    cand = {v: k for k, v in enumerate(prog.invars[: len(eligible)]) if eligible[k]}
-    if not cand:
-        return prog, {}, None
-    users: dict[Any, list[int]] = {}
-    for i, e in enumerate(prog.eqns):
-        for v in e.invars:
-            if not isinstance(v, Literal):
-                users.setdefault(v, []).append(i)
-    outs = {v for v in prog.outvars if not isinstance(v, Literal)}
-    drop: set[int] = set()
-    new_vars: list[Any] = []
-    pieces: dict[int, HostSlice] = {}
-    for i, e in enumerate(prog.eqns):
-        if e.primitive.name != "slice" or isinstance(e.invars[0], Literal):
-            continue
-        k = cand.get(e.invars[0])
-        if k is None:
-            continue
-        p = e.params
-        shape = tuple(e.invars[0].aval.shape)
-        strides = p.get("strides") or (1,) * len(shape)
-        index = tuple(
-            (int(a), int(b), int(s))
-            for a, b, s in zip(p["start_indices"], p["limit_indices"], strides)
-        )
-        v, removed = e.outvars[0], [i]
-        use = users.get(v, [])
-        if (
-            len(use) == 1
-            and v not in outs
-            and prog.eqns[use[0]].primitive.name == "squeeze"
-            and prog.eqns[use[0]].invars[0] is v
-        ):
-            removed.append(use[0])
-            v = prog.eqns[use[0]].outvars[0]
-            use = users.get(v, [])
-        if any(prog.eqns[u].primitive.name == "sharding_constraint" for u in use):
-            continue
-        drop.update(removed)
-        new_vars.append(v)
-        pieces[first_index + len(new_vars) - 1] = HostSlice(k, index, tuple(v.aval.shape))
-    if not pieces:
-        return prog, {}, None
-    keep = [i for i in range(len(prog.eqns)) if i not in drop]
-    return (
-        dataclasses.replace(
-            prog, eqns=[prog.eqns[i] for i in keep], invars=list(prog.invars) + new_vars
-        ),
-        pieces,
-        keep,
-    )
-
-
 #: the largest constant made on the host (bytes): a loss's or a metric's accumulator
 #: zero, not a gradient's (those stay one device program, not a transfer every call)
 HOST_CONST_MAX_BYTES = 64
@@ -120,6 +62,97 @@ class HostConst:
     value: np.ndarray
 
 
+class _Uses:
+    """Who reads each variable of a program, and which are its outputs."""
+
+    def __init__(self, prog: FlatProgram) -> None:
+        self.prog = prog
+        self.users: dict[Any, list[int]] = {}
+        for i, e in enumerate(prog.eqns):
+            for v in e.invars:
+                if not isinstance(v, Literal):
+                    self.users.setdefault(v, []).append(i)
+        self.outs = {v for v in prog.outvars if not isinstance(v, Literal)}
+
+    def of(self, v: Any) -> list[int]:
+        return self.users.get(v, [])
+
+    def sole(self, v: Any, primitive: str) -> int | None:
+        """The one equation reading ``v``, if it is a ``primitive`` with ``v`` as its
+        first operand and ``v`` is not a program output."""
+        use = self.of(v)
+        if len(use) != 1 or v in self.outs:
+            return None
+        e = self.prog.eqns[use[0]]
+        return use[0] if e.primitive.name == primitive and e.invars[0] is v else None
+
+    def constrained(self, v: Any) -> bool:
+        return any(self.prog.eqns[u].primitive.name == "sharding_constraint" for u in self.of(v))
+
+
+def _with_inputs(
+    prog: FlatProgram, new_vars: list[Any], drop: set[int]
+) -> tuple[FlatProgram, list[int]]:
+    """``prog`` with ``new_vars`` appended to its inputs and equations ``drop`` removed;
+    and the kept equations' indices."""
+    keep = [i for i in range(len(prog.eqns)) if i not in drop]
+    eqns = [prog.eqns[i] for i in keep]
+    return dataclasses.replace(prog, eqns=eqns, invars=list(prog.invars) + new_vars), keep
+
+
+def _candidates(prog: FlatProgram, eligible: Sequence[bool]) -> dict[Any, int]:
+    return {v: k for k, v in enumerate(prog.invars[: len(eligible)]) if eligible[k]}
+
+
+def _sliced_input(e: Any, cand: dict[Any, int]) -> int | None:
+    """The eligible input a ``slice`` equation reads, else ``None``."""
+    if e.primitive.name != "slice" or isinstance(e.invars[0], Literal):
+        return None
+    return cand.get(e.invars[0])
+
+
+def bind_host_slices(
+    prog: FlatProgram, eligible: Sequence[bool]
+) -> tuple[FlatProgram, dict[int, HostSlice], list[int] | None]:
+    """Static slices (each optionally followed by a ``squeeze``) of eligible program
+    inputs become program inputs of their own, appended after ``prog.invars``.
+
+    ``eligible[k]``: input ``k`` comes from the host and may be cut there. A slice whose
+    value is constrained (``with_sharding_constraint``) stays a slice: the submesh
+    computes its layout. Returns the program, the new inputs by their index in
+    ``invars``, and the kept equations' indices (``None``: all)."""
+    cand = _candidates(prog, eligible)
+    if not cand:
+        return prog, {}, None
+    uses = _Uses(prog)
+    drop: set[int] = set()
+    new_vars: list[Any] = []
+    pieces: dict[int, HostSlice] = {}
+    for i, e in enumerate(prog.eqns):
+        k = _sliced_input(e, cand)
+        if k is None:
+            continue
+        p = e.params
+        strides = p.get("strides") or (1,) * len(p["start_indices"])
+        index = tuple(
+            (int(a), int(b), int(s))
+            for a, b, s in zip(p["start_indices"], p["limit_indices"], strides)
+        )
+        v, removed = e.outvars[0], [i]
+        if (j := uses.sole(v, "squeeze")) is not None:
+            removed.append(j)
+            v = prog.eqns[j].outvars[0]
+        if uses.constrained(v):
+            continue
+        drop.update(removed)
+        pieces[len(prog.invars) + len(new_vars)] = HostSlice(k, index, tuple(v.aval.shape))
+        new_vars.append(v)
+    if not pieces:
+        return prog, {}, None
+    prog, keep = _with_inputs(prog, new_vars, drop)
+    return prog, pieces, keep
+
+
 def bind_host_consts(
     prog: FlatProgram, labels: Labels
 ) -> tuple[FlatProgram, dict[int, HostConst], list[int] | None]:
@@ -127,53 +160,33 @@ def bind_host_consts(
     task and microbatch, of at most :data:`HOST_CONST_MAX_BYTES`, become program inputs
     appended after ``prog.invars``. Returns the program, the new inputs by their index
     in ``invars``, and the kept equations' indices (``None``: all)."""
-    users: dict[Any, list[int]] = {}
-    for i, e in enumerate(prog.eqns):
-        for v in e.invars:
-            if not isinstance(v, Literal):
-                users.setdefault(v, []).append(i)
-    outs = {v for v in prog.outvars if not isinstance(v, Literal)}
-    first_index = len(prog.invars)
+    uses = _Uses(prog)
     drop: set[int] = set()
     new_vars: list[Any] = []
     consts: dict[int, HostConst] = {}
     for i, e in enumerate(prog.eqns):
+        aval = e.outvars[0].aval if e.outvars else None
         if (
             e.primitive.name != "broadcast_in_dim"
             or not isinstance(e.invars[0], Literal)
             or labels.tasks[i] is not None
             or (labels.microbatch and labels.microbatch[i] is not None)
+            or not isinstance(aval.dtype, np.dtype)  # not an extended dtype (PRNG keys)
+            or aval_nbytes(aval) > HOST_CONST_MAX_BYTES
         ):
-            continue
-        aval = e.outvars[0].aval
-        dtype = np.dtype(aval.dtype) if isinstance(aval.dtype, np.dtype) else None
-        if dtype is None or int(np.prod(aval.shape)) * dtype.itemsize > HOST_CONST_MAX_BYTES:
             continue
         v, removed = e.outvars[0], [i]
-        use = users.get(v, [])
-        if (
-            len(use) == 1
-            and v not in outs
-            and prog.eqns[use[0]].primitive.name == "reshape"
-            and len(prog.eqns[use[0]].invars) == 1
-            and labels.tasks[use[0]] is None
-        ):
-            removed.append(use[0])
-            v = prog.eqns[use[0]].outvars[0]
-        value = np.full(tuple(v.aval.shape), e.invars[0].val, dtype=dtype)
+        if (j := uses.sole(v, "reshape")) is not None and labels.tasks[j] is None:
+            removed.append(j)
+            v = prog.eqns[j].outvars[0]
         drop.update(removed)
+        value = np.full(tuple(v.aval.shape), e.invars[0].val, dtype=aval.dtype)
+        consts[len(prog.invars) + len(new_vars)] = HostConst(value)
         new_vars.append(v)
-        consts[first_index + len(new_vars) - 1] = HostConst(value)
     if not consts:
         return prog, {}, None
-    keep = [i for i in range(len(prog.eqns)) if i not in drop]
-    return (
-        dataclasses.replace(
-            prog, eqns=[prog.eqns[i] for i in keep], invars=list(prog.invars) + new_vars
-        ),
-        consts,
-        keep,
-    )
+    prog, keep = _with_inputs(prog, new_vars, drop)
+    return prog, consts, keep
 
 
 def bind_microbatch_cuts(
@@ -187,57 +200,42 @@ def bind_microbatch_cuts(
     submesh compiles a program of slices before the loop: each microbatch reads its rows
     of the argument where it is used. Only for replicated layouts (the caller's
     ``eligible``): a dynamic slice of a sharded dimension would gather it."""
-    cand = {v: k for k, v in enumerate(prog.invars[: len(eligible)]) if eligible[k]}
+    cand = _candidates(prog, eligible)
     if not cand or not labels.microbatch:
         return prog, labels, {}
-    users: dict[Any, list[int]] = {}
-    for i, e in enumerate(prog.eqns):
-        for v in e.invars:
-            if not isinstance(v, Literal):
-                users.setdefault(v, []).append(i)
-    outs = {v for v in prog.outvars if not isinstance(v, Literal)}
-    first_index = len(prog.invars)
+    uses = _Uses(prog)
     eqns = list(prog.eqns)
     mbs = list(labels.microbatch)
     new_vars: list[Any] = []
     consts: dict[int, HostConst] = {}
     for i, e in enumerate(prog.eqns):
-        if (
-            e.primitive.name != "slice"
-            or isinstance(e.invars[0], Literal)
-            or e.invars[0] not in cand
-            or labels.tasks[i] is not None
-            or mbs[i] is not None
-        ):
+        if _sliced_input(e, cand) is None or labels.tasks[i] is not None or mbs[i] is not None:
             continue
         p = e.params
-        if any(s != 1 for s in (p.get("strides") or ())):
-            continue
         v = e.outvars[0]
-        use = users.get(v, [])
-        where = {mbs[u] for u in use}
+        where = {mbs[u] for u in uses.of(v)}
         if (
-            not use
-            or v in outs
+            any(s != 1 for s in (p.get("strides") or ()))
+            or v in uses.outs
             or v in prog.splits
             or len(where) != 1
             or None in where
-            or any(prog.eqns[u].primitive.name == "sharding_constraint" for u in use)
+            or uses.constrained(v)
         ):
             continue
-        (mb,) = where
+        ((loop, k),) = where
         idx = []
         for start in p["start_indices"]:
             iv = _compat.Var(_compat.scalar_aval(np.int32))
+            consts[len(prog.invars) + len(new_vars)] = HostConst(np.asarray(start, np.int32))
             new_vars.append(iv)
-            consts[first_index + len(new_vars) - 1] = HostConst(np.asarray(start, np.int32))
             idx.append(iv)
         sizes = tuple(int(b) - int(a) for a, b in zip(p["start_indices"], p["limit_indices"]))
         eqns[i] = _compat.with_name_stack(
             _compat.dynamic_slice_eqn(e, [e.invars[0], *idx], sizes),
-            _compat.push_scope(e.source_info.name_stack, f"mb{mb[1]}@mm:L{mb[0]}"),
+            _compat.push_scope(e.source_info.name_stack, microbatch_scope(loop, k)),
         )
-        mbs[i] = mb
+        mbs[i] = (loop, k)
     if not consts:
         return prog, labels, {}
     prog = dataclasses.replace(prog, eqns=eqns, invars=list(prog.invars) + new_vars)

@@ -59,6 +59,12 @@ def locality() -> Locality | None:
 _PLAN_SEQ: dict[tuple[int, ...], itertools.count] = {}
 
 
+def peer_timeout_s() -> float:
+    """How long to wait for another process (``MULTIMESH_PLAN_TIMEOUT``, default 1800 s):
+    a peer may legitimately be busy (data loading, compiling)."""
+    return float(os.environ.get("MULTIMESH_PLAN_TIMEOUT", "1800"))
+
+
 def check_same_plan(
     loc: Locality,
     uid: int,
@@ -76,8 +82,8 @@ def check_same_plan(
 
     ``inputs`` describes where each flat argument is on this process; ``names`` are
     the arguments' paths (for the message)."""
-    if timeout_s is None:  # a peer may legitimately be busy (data loading, compiling)
-        timeout_s = float(os.environ.get("MULTIMESH_PLAN_TIMEOUT", "1800"))
+    if timeout_s is None:
+        timeout_s = peer_timeout_s()
     group = tuple(sorted({loc.owner[int(d)] for d in devices}))
     if len(group) == 1 or loc.me not in group:
         return  # no transfer between processes, or none this process takes part in

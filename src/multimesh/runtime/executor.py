@@ -20,8 +20,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from multimesh import _compat
 from multimesh.compiler import layers
 from multimesh.compiler import shardings as shard_pass
-from multimesh.compiler.host_inputs import HOST_CONST_MAX_BYTES, HostSlice
-from multimesh.compiler.ir import FlatProgram, Labels
+from multimesh.compiler.host_inputs import HOST_CONST_MAX_BYTES
+from multimesh.compiler.ir import FlatProgram, Labels, aval_nbytes
 from multimesh.compiler.plan import Plan
 from multimesh.runtime import compiling, crossproc
 from multimesh.runtime import outputs as out_pass
@@ -414,7 +414,7 @@ class Executable:
         """Per argument: where its value must be (one slot per stage that needs it), and
         its *home* sharding: an argument that already has it is used in place (or sliced
         per submesh, sharing buffers); anything else is put with one ``device_put``."""
-        # per argument: (slot, sharding, rows cut from it or None, shape)
+        # per argument: (slot, sharding, the cut taking its piece or None, shape)
         per_arg: dict[int, list[tuple[int, Any, Any, tuple[int, ...]]]] = {}
         in_place: set[int] = set()  # arguments used where they are (as is / sliced)
         host_cut: set[int] = set()  # arguments sliced before they are put
@@ -445,14 +445,13 @@ class Executable:
                 in_place.add(a)
             elif ip.mode == "piece":  # one stage's rows of a stage-sharded argument
                 piece = pieces[a]
-                a, cut = piece.arg, (piece.start, piece.stop)
+                a, cut = piece.arg, functools.partial(_rows, start=piece.start, stop=piece.stop)
                 sh = NamedSharding(
                     mesh, layers.piece_spec(sample_args[a].sharding, self._stage_axis)
                 )
                 in_place.add(a)
             elif ip.mode == "host_slice":  # a static slice of a host argument, put
-                cut = pieces[a]
-                a = cut.arg
+                a, cut = pieces[a].arg, pieces[a].cut
                 host_cut.add(a)
                 sh = NamedSharding(mesh, PartitionSpec())
             else:
@@ -514,7 +513,7 @@ class Executable:
             fn = splitters.get(a)
             if fn is None:
                 cuts = [cut for _sid, _sh, cut, _shape in tgts if cut is not None]
-                fn = splitters[a] = jax.jit(lambda x: tuple(c.cut(x) for c in cuts))
+                fn = splitters[a] = jax.jit(lambda x: tuple(c(x) for c in cuts))
             return fn(v)
 
         def run_inputs(env: list[Any], args: Sequence[Any]) -> None:
@@ -545,12 +544,7 @@ class Executable:
                     continue
                 for sid, sh, cut, _shape in tgts:
                     ids.append(sid)
-                    if cut is None:
-                        vals.append(v)
-                    elif isinstance(cut, HostSlice):
-                        vals.append(cut.cut(v))
-                    else:
-                        vals.append(v[cut[0] : cut[1]])
+                    vals.append(v if cut is None else cut(v))
                     shs.append(sh)
             if ids:
                 for sid, v in zip(ids, put(vals, shs)):
@@ -716,13 +710,15 @@ def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     return body
 
 
+def _rows(x: Any, *, start: int, stop: int) -> Any:
+    return x[start:stop]
+
+
 def _small(aval: Any) -> bool:
     """Too small for donating it to save anything (a loss accumulator): not donated, so
     that the first microbatch's fragment, which gets it from a constant made once on the
     host (``host_inputs.HostConst``), is the same program as the others'."""
-    if _is_key(aval):
-        return False
-    return int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize <= HOST_CONST_MAX_BYTES
+    return not _is_key(aval) and aval_nbytes(aval) <= HOST_CONST_MAX_BYTES
 
 
 def _is_key(aval: Any) -> bool:
