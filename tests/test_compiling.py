@@ -1,5 +1,6 @@
 """Fragments compile on a thread pool: same executables and bits as compiling one by one."""
 
+import os
 import threading
 import time
 
@@ -86,6 +87,33 @@ def test_bad_thread_count_is_a_clear_error(monkeypatch):
         compiling.num_threads()
     monkeypatch.setenv("MULTIMESH_COMPILE_THREADS", "0")
     assert compiling.num_threads() == 1
+
+
+def test_processes_on_one_host_share_its_compile_threads(monkeypatch):
+    """Several processes of one job on a host split its CPUs between their compile
+    pools; the launcher, Open MPI, MPICH and SLURM say how many share the host."""
+    from multimesh.distributed._init import local_process_count
+
+    monkeypatch.delenv("MULTIMESH_COMPILE_THREADS", raising=False)
+    for key in ("MULTIMESH_LOCAL_PROCESSES", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert local_process_count() == 1
+    assert compiling.num_threads(local_process_count()) == 8  # at most 8
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    assert compiling.num_threads(local_process_count()) == 4
+    monkeypatch.setenv("MULTIMESH_LOCAL_PROCESSES", "8")  # the launcher's, first
+    assert compiling.num_threads(local_process_count()) == 2
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert compiling.num_threads(local_process_count()) == 1
+    monkeypatch.setenv("MULTIMESH_COMPILE_THREADS", "3")  # the user's choice wins
+    assert compiling.num_threads(local_process_count()) == 3
+    monkeypatch.delenv("MULTIMESH_LOCAL_PROCESSES")
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE")
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
+    assert local_process_count() == 2
 
 
 def test_compile_once_builds_a_shared_key_once():
@@ -717,6 +745,41 @@ def test_committed_batch_cut_inside_each_microbatch(schedule):
         ref = jax.jit(step)(ws, x)
         for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
+@pytest.mark.parametrize("home", [0, 3])
+def test_committed_batch_cut_where_each_stage_uses_it(home):
+    """A batch committed to one submesh and read by the first stage (token ids) and the
+    last (targets) in every microbatch: each cut runs on the stage that uses it (the
+    batch is moved there whole, before the loop). Cut next to the data, stage 0's
+    forward would wait on stage 3's work of the same microbatch: a cycle (found by a
+    probe: "the forward passes ... depend on each other in a cycle")."""
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(4)]
+    emb = rng.normal(size=(8, 8)).astype(np.float32)
+    tokens = rng.integers(0, 8, size=(8, 4)).astype(np.int32)
+
+    def loss(ws, emb, tb):
+        with mm.task("emb", stage=0):
+            h = jnp.take(emb, tb[:, 0], axis=0)
+        for i, w in enumerate(ws):
+            with mm.task(f"l{i}", stage=i):
+                h = h + jnp.tanh(h @ w)
+        with mm.task("head", stage=3):
+            return jnp.mean((h - tb[:, 1:2].astype(jnp.float32)) ** 2)
+
+    def step(ws, emb, t):
+        vg = jax.value_and_grad(loss, argnums=(0, 1))
+        return mm.microbatch(vg, 4, argnums=2, schedule="1f1b")(ws, emb, t)
+
+    ref = jax.jit(step)(ws, emb, tokens)
+    t = jax.device_put(tokens, jax.sharding.NamedSharding(mesh.submesh(home), jax.P()))
+    lowered = mm.jit(step, mesh=mesh).lower(ws, emb, t)
+    assert sum(p.mode == "host_const" for p in lowered.plan.inputs) >= 8  # cut per microbatch
+    out = lowered.compile()(ws, emb, t)
+    for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-6)
 
 
 def test_sharded_batch_keeps_its_slices(mesh4x2):

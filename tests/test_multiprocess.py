@@ -29,10 +29,13 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], timeout: float = 600, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``cmd``; a worker still running ``timeout - 30`` s in prints every thread's stack
     and exits (the launcher then stops the rest), so a hang fails with its stacks."""
     env = clean_env()
+    env.update(extra_env or {})
     env["MP_WORKER_DUMP_AFTER"] = str(max(timeout - 30, 10))
     try:
         return subprocess.run(
@@ -43,7 +46,9 @@ def run(cmd: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
         pytest.fail(f"timed out after {timeout}s: {cmd}\n{out[0]!r}\n{out[1]!r}")
 
 
-def launch(nproc: int, per: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def launch(
+    nproc: int, per: int, *args: str, timeout: float = 600, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,
         "-m",
@@ -55,7 +60,7 @@ def launch(nproc: int, per: int, *args: str, timeout: float = 600) -> subprocess
         WORKER,
         *args,
     ]
-    return run(cmd, timeout)
+    return run(cmd, timeout, extra_env)
 
 
 def output_tail(proc: subprocess.CompletedProcess, n: int = 6000) -> str:
@@ -92,8 +97,13 @@ def assert_same(got: dict, want: dict) -> None:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
 
 
+#: compile on two threads per process (on a 2-core machine each of 2 processes would
+#: get one): transfers between processes then wait for their sources' compiles as jobs
+PARALLEL = {"MULTIMESH_COMPILE_THREADS": "2"}
+
+
 def test_two_processes_match_one(baseline, tmp_path):
-    proc = launch(2, 4, str(tmp_path / "r.npz"), "quick", timeout=240)
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "quick", timeout=240, extra_env=PARALLEL)
     assert proc.returncode == 0, output_tail(proc)
     assert "[rank 0] pid" in proc.stdout and "[rank 1] pid" in proc.stdout
     assert_same(results(tmp_path / "r.npz"), baseline("quick"))
@@ -103,6 +113,10 @@ def test_two_processes_match_one(baseline, tmp_path):
     assert "[rank 0] local-only ok" in proc.stdout, proc.stdout[-2000:]
     # each process compiled its own fragments only (not the other's: known layouts)
     assert proc.stdout.count("compiled own fragments, skipped") == 2, proc.stdout[-2000:]
+    # a data-parallel pipeline (layouts known only after compiling) on 2 compile threads
+    assert proc.stdout.count("sharded pipeline ok, compiled on 2 threads") == 2, proc.stdout[
+        -2000:
+    ]
 
 
 def test_processes_that_plan_differently_get_a_clear_error(tmp_path):
@@ -120,7 +134,8 @@ def test_processes_that_plan_differently_get_a_clear_error(tmp_path):
 @pytest.mark.timeout(1300)  # 8 processes share the cores: minutes on a loaded machine
 @pytest.mark.parametrize("layout", [(2, 4), (4, 2), (8, 1)], ids=["2x4", "4x2", "8x1"])
 def test_every_program_and_schedule(layout, baseline, tmp_path):
-    proc = launch(*layout, str(tmp_path / "r.npz"), "all", timeout=1200)
+    extra = PARALLEL if layout == (2, 4) else None  # the GPT's sharded layouts, in parallel
+    proc = launch(*layout, str(tmp_path / "r.npz"), "all", timeout=1200, extra_env=extra)
     assert proc.returncode == 0, output_tail(proc)
     assert_same(results(tmp_path / "r.npz"), baseline("all"))
 

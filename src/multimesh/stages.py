@@ -105,8 +105,9 @@ class Lowered:
         # ... and there, microbatches of arguments already on a submesh are cut inside
         # each microbatch's work, at offsets given as inputs
         cuts: dict[int, Any] = {}
+        follow: frozenset[Any] = frozenset()  # the cuts: each runs where it is used
         if split:
-            prog, labels, cuts = host_inputs.bind_microbatch_cuts(
+            prog, labels, cuts, follow = host_inputs.bind_microbatch_cuts(
                 prog,
                 labels,
                 [sh is not None and put is None for sh, put in zip(arg_shardings, put_sh)],
@@ -125,7 +126,9 @@ class Lowered:
             if any(s is not None for s in labels.stages)
             else 0
         )
-        placement = place.place(prog, labels, [i.loc for i in self.input_infos], default)
+        placement = place.place(
+            prog, labels, [i.loc for i in self.input_infos], default, follow=follow
+        )
         frags = frag_pass.fragment(prog, placement, labels, traced.loops, split_shared=split)
         prog, labels, placement, frags = pack.pack_transfers(prog, labels, placement, frags)
         self._prog, self._labels = prog, labels
@@ -329,7 +332,8 @@ class Compiled:
         """How this compile made its executables: ``compiled`` by XLA, or ``relocated``
         (the executable of the same program on another submesh of the same shape, loaded
         for this one's devices in milliseconds). Fragments identical to one made earlier
-        (by this ``mm.jit``) count in neither."""
+        (by this ``mm.jit``) count in neither. ``threads``: how many compile threads this
+        process used (``MULTIMESH_COMPILE_THREADS``; by default its share of the CPUs)."""
         return self._exe.compile_stats.as_dict()
 
     @property

@@ -191,10 +191,11 @@ def bind_host_consts(
 
 def bind_microbatch_cuts(
     prog: FlatProgram, labels: Labels, eligible: Sequence[bool]
-) -> tuple[FlatProgram, Labels, dict[int, HostConst]]:
+) -> tuple[FlatProgram, Labels, dict[int, HostConst], frozenset[Any]]:
     """Static slices of eligible program inputs (device arrays already in place) used only
     by one microbatch's work become ``dynamic_slice``\\ s in that microbatch, at offsets
-    that are program inputs (host constants, put once).
+    that are program inputs (host constants, put once). Also returned: the cuts' outputs,
+    for placement to run each cut where it is used (``place.place``'s ``follow``).
 
     Every microbatch's work then is one program still (the offsets are inputs), and no
     submesh compiles a program of slices before the loop: each microbatch reads its rows
@@ -202,12 +203,13 @@ def bind_microbatch_cuts(
     ``eligible``): a dynamic slice of a sharded dimension would gather it."""
     cand = _candidates(prog, eligible)
     if not cand or not labels.microbatch:
-        return prog, labels, {}
+        return prog, labels, {}, frozenset()
     uses = _Uses(prog)
     eqns = list(prog.eqns)
     mbs = list(labels.microbatch)
     new_vars: list[Any] = []
     consts: dict[int, HostConst] = {}
+    cut_outs: list[Any] = []
     for i, e in enumerate(prog.eqns):
         if _sliced_input(e, cand) is None or labels.tasks[i] is not None or mbs[i] is not None:
             continue
@@ -236,7 +238,8 @@ def bind_microbatch_cuts(
             _compat.push_scope(e.source_info.name_stack, microbatch_scope(loop, k)),
         )
         mbs[i] = (loop, k)
+        cut_outs.append(v)
     if not consts:
-        return prog, labels, {}
+        return prog, labels, {}, frozenset()
     prog = dataclasses.replace(prog, eqns=eqns, invars=list(prog.invars) + new_vars)
-    return prog, dataclasses.replace(labels, microbatch=mbs), consts
+    return prog, dataclasses.replace(labels, microbatch=mbs), consts, frozenset(cut_outs)

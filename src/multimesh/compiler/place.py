@@ -37,8 +37,14 @@ def place(
     labels: Labels,
     input_locs: Sequence[Loc],
     default_stage: int = 0,
+    follow: frozenset[Any] = frozenset(),
 ) -> Placement:
-    """Assign every equation instance a stage; list the transfers between stages."""
+    """Assign every equation instance a stage; list the transfers between stages.
+
+    Untagged, effect-free equations producing a variable in ``follow`` float whatever
+    their inputs: they run on each stage that uses them, their inputs moved there (a
+    microbatch's cut of a batch committed to another submesh: cut next to the data, it
+    would make the using stage's microbatch work wait on that submesh's)."""
     loc: dict[Any, Loc] = {}
     for v, where in zip(prog.invars, input_locs):
         loc[v] = where
@@ -55,7 +61,9 @@ def place(
             locs = [loc[a] for a in ins]
             meet = _meet(locs)
             pure = not e.effects
-            if meet is ANY:
+            if pure and follow and any(o in follow for o in e.outvars):
+                floating[i] = True
+            elif meet is ANY:
                 if pure:
                     floating[i] = True
                 else:
@@ -80,7 +88,8 @@ def place(
                 }
                 s = min(cands, key=lambda c: (costs[c], c))
         if floating[i]:
-            out_loc = _meet([loc[a] for a in ins])
+            followed = any(o in follow for o in e.outvars)
+            out_loc = ANY if followed else _meet([loc[a] for a in ins])
         else:
             placed[i] = s
             out_loc = frozenset({s})

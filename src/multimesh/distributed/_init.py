@@ -20,6 +20,7 @@ ENV_COORDINATOR = "MULTIMESH_COORDINATOR"
 ENV_NUM_PROCESSES = "MULTIMESH_NUM_PROCESSES"
 ENV_PROCESS_ID = "MULTIMESH_PROCESS_ID"
 ENV_DEVICES_PER_PROCESS = "MULTIMESH_DEVICES_PER_PROCESS"
+ENV_LOCAL_PROCESSES = "MULTIMESH_LOCAL_PROCESSES"
 ENV_HEARTBEAT = "MULTIMESH_HEARTBEAT_TIMEOUT"
 
 _STATE: dict[str, Any] = {"initialized": False}
@@ -32,6 +33,18 @@ def _cluster_size() -> int:
             return int(os.environ[key])
     if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_NTASKS", "").isdigit():
         return int(os.environ["SLURM_NTASKS"])
+    return 1
+
+
+def local_process_count() -> int:
+    """How many processes of this job run on this host, as the launcher, Open MPI, MPICH
+    or SLURM tells it (1 if none does)."""
+    for key in (ENV_LOCAL_PROCESSES, "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(key, "").isdigit():
+            return max(1, int(os.environ[key]))
+    per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "")
+    if os.environ.get("SLURM_JOB_ID") and per_node.isdigit():
+        return max(1, int(per_node))
     return 1
 
 

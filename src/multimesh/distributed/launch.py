@@ -27,6 +27,7 @@ from multimesh.distributed._init import (
     ENV_COORDINATOR,
     ENV_DEVICES_PER_PROCESS,
     ENV_HEARTBEAT,
+    ENV_LOCAL_PROCESSES,
     ENV_NUM_PROCESSES,
     ENV_PROCESS_ID,
 )
@@ -134,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env[ENV_COORDINATOR] = coord
         env[ENV_NUM_PROCESSES] = str(ns.nproc)
         env[ENV_PROCESS_ID] = str(rank)
+        env[ENV_LOCAL_PROCESSES] = str(ns.nproc)  # all on this host: they share its cores
         if ns.devices_per_process is not None:
             env[ENV_DEVICES_PER_PROCESS] = str(ns.devices_per_process)
             env.setdefault("JAX_PLATFORMS", "cpu")

@@ -32,8 +32,9 @@ from multimesh.arguments import spec_axes
 _compat.register_exclusion(__file__)
 
 
-def num_threads() -> int:
-    """Compile threads: ``MULTIMESH_COMPILE_THREADS``, else the CPU count (at most 8)."""
+def num_threads(share: int = 1) -> int:
+    """Compile threads: ``MULTIMESH_COMPILE_THREADS``, else this process's share of the
+    CPUs (their count over ``share``, the processes on this host; at most 8)."""
     env = os.environ.get("MULTIMESH_COMPILE_THREADS")
     if env:
         try:
@@ -43,7 +44,7 @@ def num_threads() -> int:
                 f"MULTIMESH_COMPILE_THREADS={env!r}: expected a whole number of threads"
             ) from None
         return max(1, n)
-    return max(1, min(8, os.cpu_count() or 1))
+    return max(1, min(8, (os.cpu_count() or 1) // max(1, share)))
 
 
 class Pending:
@@ -375,19 +376,20 @@ def device_free_key(mesh: jax.sharding.Mesh, parts: Any) -> Hashable | None:
 
 class CompileStats:
     """How a plan's executables were made: ``compiled`` by XLA, or ``relocated`` (another
-    submesh's executable loaded for these devices)."""
+    submesh's executable loaded for these devices), and on how many ``threads``."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 1) -> None:
         self._lock = threading.Lock()
         self.compiled = 0
         self.relocated = 0
+        self.threads = threads  # compile threads this process used
 
     def add(self, what: str) -> None:
         with self._lock:
             setattr(self, what, getattr(self, what) + 1)
 
     def as_dict(self) -> dict[str, int]:
-        return {"compiled": self.compiled, "relocated": self.relocated}
+        return {"compiled": self.compiled, "relocated": self.relocated, "threads": self.threads}
 
 
 def compile_or_relocate(

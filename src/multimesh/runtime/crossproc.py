@@ -185,9 +185,11 @@ def transfer_step(
     loc: Locality,
     uid_base: Callable[[], Any],
     step_no: int,
-) -> Callable[[list[Any], Sequence[Any]], None]:
+) -> tuple[Callable[[list[Any], Sequence[Any]], None], dict[int, Any]]:
     """The run function of one transfer step (items: src slot, dst slot, aval, src
-    stage, dst stage) on this process; fills ``slot_sh`` for the destinations."""
+    stage, dst stage) on this process, and the destinations' shardings (by slot).
+    ``slot_sh`` is only read (a compile job may run this while others fill it)."""
+    dst_sh: dict[int, Any] = {}
     local_fast: list[tuple[int, int, Any]] = []
     local_slow: list[tuple[int, int, Any]] = []
     cross: list[dict[str, Any]] = []
@@ -199,7 +201,7 @@ def transfer_step(
         src_devs, dst_devs = list(targets[s].mesh.devices.flat), list(dmesh.devices.flat)
         dsh = tr.dst_sharding(ssh, dmesh, shape)
         if loc.only(src_devs) and loc.only(dst_devs):
-            slot_sh[dst] = dsh
+            dst_sh[dst] = dsh
             same = tr.same_layout(ssh, dsh, shape) and not _is_key(aval)
             (local_fast if same else local_slow).append((src, dst, dsh))
             continue
@@ -216,7 +218,7 @@ def transfer_step(
                         .compile()
                     )
             ssh = rsh
-        slot_sh[dst] = dsh
+        dst_sh[dst] = dsh
         if not (loc.has(src_devs) or loc.has(dst_devs)):
             continue  # neither end lives here
         if _is_key(aval):
@@ -298,7 +300,7 @@ def transfer_step(
                 c["shape"], c["dsh"], [got[i] for i in mine]
             )
 
-    return run
+    return run, dst_sh
 
 
 def _is_key(aval: Any) -> bool:

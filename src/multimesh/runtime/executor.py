@@ -9,6 +9,7 @@ No jaxpr is walked at run time.
 from __future__ import annotations
 
 import functools
+import operator
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -78,8 +79,10 @@ class Executable:
         self._calls = 0
         self._uid = _compat.stable_hash(plan.as_text())
         slot_sh: dict[int, Any] = compiling.LazyDict()  # values may be pending compiles
-        # fragments compile on a thread pool, in plan order (single-process runs)
-        jobs = compiling.Jobs(compiling.num_threads() if loc is None else 1)
+        # fragments compile on a thread pool, in plan order; several processes on one
+        # host share its cores
+        threads = compiling.num_threads(1 if loc is None else _local_processes())
+        jobs = compiling.Jobs(threads)
         template: list[Any] = [None] * plan.num_slots
         steps: list[tuple[Any, ...]] = []
         slot_var = {sid: var for (var, _s), sid in plan.slots.items()}
@@ -116,7 +119,7 @@ class Executable:
         opt_key = tuple(sorted((k, str(v)) for k, v in options.items()))
         #: how this plan's executables were made (compiled, or relocated from a submesh
         #: of the same shape running the same program)
-        self.compile_stats = stats = compiling.CompileStats()
+        self.compile_stats = stats = compiling.CompileStats(threads)
         owned: set[int] = set()  # slots holding buffers only the runtime references
         planned: dict[Any, compiling.Pending] = {}  # fragments keyed at planning time
         planned_r: dict[Any, compiling.Pending] = {}  # ... by their device-free keys
@@ -303,10 +306,23 @@ class Executable:
                         )
                     steps.append((_LATER, later, (), (), ()))
                 else:
-                    run = crossproc.transfer_step(
-                        st.items, targets, slot_sh, loc, self._uid_base, step_no
-                    )
-                    steps.append((_CALL, run, (), (), ()))
+
+                    def cross(st=st, step_no=step_no) -> tuple[Any, dict[int, Any]]:
+                        run, dst_sh = crossproc.transfer_step(
+                            st.items, targets, slot_sh, loc, self._uid_base, step_no
+                        )
+                        return (_CALL, run, (), (), ()), dst_sh
+
+                    if any(isinstance(dict.get(slot_sh, it[0]), compiling.Pending) for it in st.items):
+                        # its sources' shardings are pending compiles: a job, like them
+                        later = jobs.submit(cross)
+                        for _src, dst, *_x in st.items:
+                            slot_sh[dst] = later.derive(lambda r, dst=dst: r[1][dst])
+                        steps.append((_LATER, later, (), (), ()))
+                    else:
+                        step, dst_sh = cross()
+                        slot_sh.update(dst_sh)
+                        steps.append(step)
                 owned.update(dst for _src, dst, *_ in st.items)
             if st.free and steps[-1][0] in (_CALL, _LATER):
                 steps[-1] = (*steps[-1][:4], tuple(st.free))
@@ -329,9 +345,10 @@ class Executable:
                     items.append((ids[0], new, slot_var[ids[0]].aval, slot_stage[ids[0]], s))
                     ids.append(new)
             if items:
-                run = crossproc.transfer_step(
+                run, dst_sh = crossproc.transfer_step(
                     items, targets, slot_sh, loc, self._uid_base, len(plan.steps)
                 )
+                slot_sh.update(dst_sh)
                 steps.append((_CALL, run, (), (), ()))
         self.compiled = [compiling.resolve(c) for c in self.compiled]
         self._steps = [_resolved_step(st) for st in steps]
@@ -635,14 +652,14 @@ class Executable:
         # (program, call) pair naming cross-process transfers and to_host outputs
         self._calls = _CALLS[self._uid] = _CALLS.get(self._uid, 0) + 1
         env = list(self._template)
-        for code, fn, ins, outs, free, copy in self._loop:
+        for code, fn, get, outs, free, copy in self._loop:
             if code == _RUN:
-                res = fn(*[env[i] for i in ins])
+                res = fn(*get(env))
                 for i, r in zip(outs, res):
                     env[i] = r
                 if copy is not None:
-                    pos, dst, copier = copy
-                    for i, v in zip(dst, copier([res[k] for k in pos])):
+                    pick, dst, copier = copy
+                    for i, v in zip(dst, copier(pick(res))):
                         env[i] = v
             else:
                 fn(env, args)
@@ -651,14 +668,21 @@ class Executable:
         return self.finish(env)
 
 
+def _local_processes() -> int:
+    from multimesh.distributed._init import local_process_count
+
+    return local_process_count()
+
+
 def _fold(steps: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """The loop ``__call__`` runs: each fragment's C++ entry, and a same-layout transfer
-    of only the previous fragment's outputs folded into that fragment's step (one loop
-    iteration and one Python call fewer per transfer)."""
+    """The loop ``__call__`` runs: each fragment's C++ entry with a C-level getter of its
+    arguments (a tuple), and a same-layout transfer of only the previous fragment's
+    outputs folded into that fragment's step (one loop iteration and one Python call
+    fewer per transfer)."""
     loop: list[tuple[Any, ...]] = []
     for code, fn, ins, outs, free in steps:
         if code == _RUN:
-            loop.append((code, _compat.fast_call(fn), ins, outs, free, None))
+            loop.append((code, _compat.fast_call(fn), _tuple_getter(ins), outs, free, None))
             continue
         fast = getattr(fn, "same_layout", None) if code == _CALL else None
         prev = loop[-1] if loop else None
@@ -666,10 +690,21 @@ def _fold(steps: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
             src, dst, copier = fast
             if set(src) <= set(prev[3]) and not set(src) & set(prev[4]):
                 pos = tuple(prev[3].index(i) for i in src)
-                loop[-1] = (*prev[:4], prev[4] + tuple(free), (pos, dst, copier))
+                loop[-1] = (*prev[:4], prev[4] + tuple(free), (_tuple_getter(pos), dst, copier))
                 continue
         loop.append((code, fn, ins, outs, free, None))
     return loop
+
+
+def _tuple_getter(idx: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``lambda xs: tuple(xs[i] for i in idx)``, at C speed where ``itemgetter`` gives a
+    tuple (two or more indices)."""
+    if len(idx) >= 2:
+        return operator.itemgetter(*idx)
+    if len(idx) == 1:
+        (i,) = idx
+        return lambda xs: (xs[i],)
+    return lambda xs: ()
 
 
 def _compile(body, in_sh, out_sh, donate, avals, options, info, mesh) -> Any:
