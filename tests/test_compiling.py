@@ -782,6 +782,51 @@ def test_committed_batch_cut_where_each_stage_uses_it(home):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-6)
 
 
+def test_returned_small_constants_keep_their_types():
+    """A small constant the program returns is made by the program (a fresh array), and
+    weakly typed constants are left to it: types (and promotion) as under jax.jit."""
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+
+    def f(x):
+        weak = jnp.full((3,), 2.0)
+        strong = jnp.zeros((2,), jnp.float32)
+        with mm.task("a", stage=1):
+            s = x.sum() + weak.sum() + strong.sum()
+        return s, weak, strong
+
+    x = np.ones((6, 8), np.float32)
+    got, want = mm.jit(f, mesh=mesh)(x), jax.jit(f)(x)
+    for a, r in zip(got, want):
+        assert (a.dtype, a.weak_type) == (r.dtype, r.weak_type)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+    h = np.ones(3, np.float16)
+    assert (got[1] + h).dtype == (want[1] + h).dtype == np.float16
+
+
+def test_constants_kept_between_calls_survive_deleting_live_arrays():
+    """Constants put once (closed-over arrays, the loss zero, microbatch offsets) are put
+    again if something deleted them: ``for a in jax.live_arrays(): a.delete()`` frees
+    memory between calls under jax.jit, and must not break an mm.jit function."""
+    step, ws, x, mesh = one_device_pipeline(5)
+    table = np.arange(8, dtype=np.float32)
+
+    def f(ws, x):
+        new, v = step(ws, x)
+        return new, v + jnp.asarray(table).sum()  # a closed-over constant
+
+    g = mm.jit(f, mesh=mesh)
+    xd = jax.device_put(x, mesh.submesh(0).devices.flat[0])  # cut inside the microbatches
+    lowered = g.lower(ws, xd)
+    assert sum(p.mode == "host_const" for p in lowered.plan.inputs) > 1
+    ref = jax.tree.map(np.asarray, jax.jit(f)(ws, x))
+    for _ in range(2):
+        out = g(ws, jax.device_put(x, mesh.submesh(0).devices.flat[0]))
+        for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+            np.testing.assert_array_equal(np.asarray(a), r)
+        for a in jax.live_arrays():
+            a.delete()
+
+
 def test_sharded_batch_keeps_its_slices(mesh4x2):
     """A batch sharded over a submesh's axis is not cut by dynamic offsets (that would
     gather it): it is sliced before the loop, in its layout."""

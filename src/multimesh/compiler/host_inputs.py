@@ -172,6 +172,7 @@ def bind_host_consts(
             or labels.tasks[i] is not None
             or (labels.microbatch and labels.microbatch[i] is not None)
             or not isinstance(aval.dtype, np.dtype)  # not an extended dtype (PRNG keys)
+            or getattr(aval, "weak_type", False)  # a host array would be strongly typed
             or aval_nbytes(aval) > HOST_CONST_MAX_BYTES
         ):
             continue
@@ -179,6 +180,8 @@ def bind_host_consts(
         if (j := uses.sole(v, "reshape")) is not None and labels.tasks[j] is None:
             removed.append(j)
             v = prog.eqns[j].outvars[0]
+        if v in uses.outs:  # returned: stays made by the program (a fresh array, weak type kept)
+            continue
         drop.update(removed)
         value = np.full(tuple(v.aval.shape), e.invars[0].val, dtype=aval.dtype)
         consts[len(prog.invars) + len(new_vars)] = HostConst(value)

@@ -77,6 +77,8 @@ class Executable:
         if loc is not None:
             crossproc.check_layout(loc, targets)
         self._calls = 0
+        #: constants put once and kept between calls: (slot, host value, sharding)
+        self._kept: list[tuple[int, Any, Any]] = []
         self._uid = _compat.stable_hash(plan.as_text())
         slot_sh: dict[int, Any] = compiling.LazyDict()  # values may be pending compiles
         # fragments compile on a thread pool, in plan order; several processes on one
@@ -445,6 +447,7 @@ class Executable:
                 slot_sh[sid] = sh
                 if self._loc is None or self._loc.has(mesh.devices.flat):
                     template[sid] = jax.device_put(val, sh)
+                    self._kept.append((sid, val, sh))
                 continue
             a, cut = ip.arg, None
             local = self._loc is None or self._loc.has(mesh.devices.flat)
@@ -452,6 +455,7 @@ class Executable:
                 sh = slot_sh[sid] = NamedSharding(mesh, PartitionSpec())
                 if local:  # never donated (too small), so every call can use it
                     template[sid] = jax.device_put(pieces[a].value, sh)
+                    self._kept.append((sid, pieces[a].value, sh))
                 continue
             if ip.mode == "as_is":
                 sh = sample_args[a].sharding
@@ -646,12 +650,21 @@ class Executable:
             _host.register(outs, self._uid, self._calls)
         return outs
 
+    def fresh_env(self) -> list[Any]:
+        """A call's slots: the constants kept between calls in place (put again if
+        something deleted them, e.g. ``for a in jax.live_arrays(): a.delete()``)."""
+        t = self._template
+        for sid, val, sh in self._kept:
+            if t[sid].is_deleted():
+                t[sid] = jax.device_put(val, sh)
+        return list(t)
+
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         # numbered per plan, not per executor: two executors of one plan (the same
         # function jitted twice, or a variant for other input placements) never reuse a
         # (program, call) pair naming cross-process transfers and to_host outputs
         self._calls = _CALLS[self._uid] = _CALLS.get(self._uid, 0) + 1
-        env = list(self._template)
+        env = self.fresh_env()
         for code, fn, get, outs, free, copy in self._loop:
             if code == _RUN:
                 res = fn(*get(env))

@@ -71,7 +71,7 @@ def record_run(exe: Any, args: Sequence[Any]) -> tuple[list[Any], Timeline]:
     peak_bytes = {s: 0 for s in stages}
     peak_mbs = {s: 0 for s in stages}
     run_frag = {n: k for k, n in enumerate(exe._run_index)}
-    env = list(exe._template)
+    env = exe.fresh_env()
     t_origin = time.perf_counter()
     for n, (code, fn, ins, outs, free) in enumerate(exe._steps):
         if code == _RUN:
