@@ -239,3 +239,54 @@ def test_host_cut_not_where_a_layout_is_asked(mesh4x2):
     f = mm.jit(grad, mesh=mesh4x2)
     assert not _host_cut(f.lower(ws, x, y).plan)
     assert_close(f(ws, x, y), reference(grad, mesh4x2, ws, x, y))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
+@pytest.mark.parametrize("spec", [jax.P(), jax.P("data")], ids=["replicated", "sharded"])
+def test_targets_committed_to_an_earlier_stage_than_the_loss(mesh4x2, schedule, spec):
+    """A data loader put the targets on stage 0 (or 1); the untagged loss uses them with
+    the last stage's activations. The loss runs with the activations (the targets move
+    before the loop): next to the targets, the last stage's microbatch work would come
+    back to stage 0 and 1F1B's order would deadlock (found by a probe: "invalid
+    schedule ... (deadlock)")."""
+    rng = np.random.default_rng(0)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(4)]
+    x = rng.normal(size=(8, 8)).astype(np.float32)
+    y = np.sin(x)
+
+    def step(ws, x, y):
+        vg = jax.value_and_grad(mlp_loss)
+        return mm.microbatch(vg, 4, argnums=(1, 2), schedule=schedule, reduce="mean")(ws, x, y)
+
+    want = reference(step, mesh4x2, ws, x, y)
+    f = mm.jit(step, mesh=mesh4x2)
+    for stage in (0, 1):
+        yd = jax.device_put(y, jax.sharding.NamedSharding(mesh4x2.submesh(stage), spec))
+        assert_close(f(ws, x, yd), want)
+
+
+@pytest.mark.parametrize("spec", [jax.P(), jax.P("data")], ids=["replicated", "sharded"])
+def test_argument_on_a_submesh_in_another_device_order(mesh4x2, spec):
+    """An argument on stage 0's devices listed in another order is not used as it is (a
+    jitted program takes one device order): its shards are re-wrapped or it is put.
+    (Found by a probe: JAX's "incompatible devices" error from inside a fragment.)"""
+    x = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
+    w = np.eye(8, dtype=np.float32)
+
+    def f(w, x):
+        with mm.task("a", stage=0):
+            h = jnp.tanh(x @ w)
+        with mm.task("b", stage=1):
+            return (h * 2).sum()
+
+    devs = list(mesh4x2.submesh(0).devices.flat)[::-1]
+    xr = jax.device_put(
+        x, jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devs), ("data",)), spec)
+    )
+    want = reference(f, mesh4x2, w, x)
+    g = mm.jit(f, mesh=mesh4x2)
+    assert_close(g(w, xr), want)
+    assert_close(g.lower(w, xr).compile()(w, xr), want)
+    assert_close(
+        jax.grad(lambda x: f(w, x))(x), mm.jit(jax.grad(lambda x: f(w, x)), mesh=mesh4x2)(xr)
+    )

@@ -86,8 +86,25 @@ def test_compiled_checks_arguments(mesh4x2):
     ):
         c(jnp.ones((4, 5)), X)
     elsewhere = jax.device_put(W, NamedSharding(mesh4x2.submesh(3), P()))
-    with pytest.raises(ValueError, match="argument w is placed as"):
+    with pytest.raises(
+        ValueError, match=r"argument w is placed as NamedSharding\(devices \[6, 7\] \(data=2\)"
+    ):
         c(elsewhere, X)
+
+
+def test_compiled_takes_arguments_placed_as_when_lowered():
+    """Like jax.stages.Compiled: arguments placed as they were when lowered are accepted,
+    also where the program puts them (a device outside the mesh); another placement is a
+    clear error naming the devices (a one-device submesh's mesh has no axes)."""
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    x7 = jax.device_put(X, jax.devices()[7])
+    c = mm.jit(two_stage, mesh=mesh).lower(W, x7).compile()
+    assert_close(c(W, x7), reference(two_stage, mesh, W, X))
+    x6 = jax.device_put(X, jax.devices()[6])
+    with pytest.raises(
+        ValueError, match=r"argument x is placed as device 6, .* at NamedSharding\(devices \[0\], spec"
+    ):
+        c(W, x6)
 
 
 def test_compiled_takes_dynamic_arguments_only(mesh4x2):

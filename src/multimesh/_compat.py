@@ -260,6 +260,12 @@ def single_device_arrays(x: jax.Array) -> list[jax.Array]:
     return [s.data for s in x.addressable_shards]
 
 
+def device_assignment_ids(sharding: jax.sharding.Sharding) -> tuple[int, ...]:
+    """Every device id of ``sharding`` in its device-assignment order (jitted programs
+    take arguments of one order only)."""
+    return tuple(int(d.id) for d in sharding._device_assignment)  # type: ignore[attr-defined]
+
+
 def addressable_device_ids(sharding: jax.sharding.Sharding) -> list[int]:
     """Device ids in the order :func:`single_device_arrays` returns an array's pieces."""
     return [int(d.id) for d in sharding._addressable_device_assignment]  # type: ignore[attr-defined]

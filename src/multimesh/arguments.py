@@ -187,12 +187,12 @@ def leaf_key(x: Any) -> tuple[Any, ...]:
             bool(getattr(x.aval, "weak_type", False)),
             x.sharding if committed else None,
         )
-    if isinstance(x, np.ndarray):
-        return (x.shape, x.dtype, False, None)
+    if isinstance(x, np.ndarray):  # float64 is float32 unless x64 is on (as in jax.jit)
+        return (x.shape, jax.dtypes.canonicalize_dtype(x.dtype), False, None)
     if isinstance(x, (bool, int, float, complex)):
         return (type(x),)
     if isinstance(x, np.generic):
-        return ((), x.dtype, False, None)
+        return ((), jax.dtypes.canonicalize_dtype(x.dtype), False, None)
     if isinstance(x, jax.ShapeDtypeStruct):
         sh = x.sharding if isinstance(x.sharding, Sharding) else None
         return (
@@ -256,6 +256,18 @@ def describe(key: tuple[Any, ...]) -> str:
         return f"Python {key[0].__name__}"
     shape, dtype = key[0], key[1]
     return f"{dtype}[{','.join(str(d) for d in shape)}]"
+
+
+def placement_text(sh: Any) -> str:
+    """A sharding for an error message, naming its devices (a one-device submesh's mesh
+    has no axes, and prints as ``Mesh(, ...)``)."""
+    if isinstance(sh, NamedSharding):
+        axes = ", ".join(f"{n}={k}" for n, k in sh.mesh.shape.items())
+        ids = [int(d.id) for d in sh.mesh.devices.flat]
+        return f"NamedSharding(devices {ids}{f' ({axes})' if axes else ''}, spec {sh.spec})"
+    if isinstance(sh, jax.sharding.SingleDeviceSharding):
+        return f"device {int(next(iter(sh.device_set)).id)}"
+    return str(sh)
 
 
 def check_call_types(

@@ -25,6 +25,7 @@ from multimesh.arguments import (
     deleted_error,
     is_extended,
     leaf_key,
+    placement_text,
 )
 from multimesh.compiler import fragment as frag_pass
 from multimesh.compiler import host_inputs, layers, pack, place
@@ -252,6 +253,8 @@ class Compiled:
             sh = k[3] if len(k) > 3 else None
             if sh is None or i not in homes:
                 continue
+            if not multi and self._as_lowered(i, sh):
+                continue
             if not _same_sharding(sh, homes[i], self._ndims[i]):
                 return False
             if multi and i not in self._exe.in_place:
@@ -259,6 +262,17 @@ class Compiled:
                 # (impossible on CPU); and the answer must not depend on the process
                 return False
         return True
+
+    def _as_lowered(self, i: int, sh: Any) -> bool:
+        """Whether committed argument ``i`` sits where it did when lowered, and the program
+        puts it (a placement it does not use in place: another device, device order)."""
+        k = self._leaf_keys[i]
+        low = k[3] if len(k) > 3 else None
+        return (
+            low is not None
+            and i not in self._exe.in_place
+            and _same_sharding(sh, low, self._ndims[i])
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -285,22 +299,24 @@ class Compiled:
                 and i not in self._exe.in_place
             ):
                 raise ValueError(
-                    f"argument {names[i]} is committed to {sh}, but this program was "
+                    f"argument {names[i]} is committed to {placement_text(sh)}, but this program was "
                     "compiled for it uncommitted (put by the plan), which a multi-process "
                     "run cannot do for committed arrays; compile for this placement (call "
                     "the mm.jit function, or lower it with this argument) instead."
                 )
+            if sh is not None and self._as_lowered(i, sh):
+                continue  # placed as when lowered: the program puts it where it is used
             if sh is not None and i in homes and homes[i] is None:
                 raise ValueError(
-                    f"argument {names[i]} is placed as {sh}, but this program was compiled "
-                    "for it as a host value (its slices are cut on the host and put where "
+                    f"argument {names[i]} is placed as {placement_text(sh)}, but this program "
+                    "was compiled for it as a host value (its slices are cut on the host and put where "
                     "they are used); pass it uncommitted (a NumPy array) or compile for "
                     "this placement (calling the mm.jit function does that)."
                 )
             if sh is not None and i in homes and not _same_sharding(sh, homes[i], self._ndims[i]):
                 raise ValueError(
-                    f"argument {names[i]} is placed as {sh}, but this program was compiled "
-                    f"for it at {homes[i]}; move it (jax.device_put) or compile for this "
+                    f"argument {names[i]} is placed as {placement_text(sh)}, but this program "
+                    f"was compiled for it at {placement_text(homes[i])}; move it (jax.device_put) or compile for this "
                     "placement (calling the mm.jit function does that)."
                 )
         return self.call_flat(flat)

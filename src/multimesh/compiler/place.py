@@ -2,7 +2,8 @@
 
 Tagged equations run on their task's submesh. An untagged equation runs next to its
 data: where its inputs already are, or else on the stage that minimises the bytes that
-must move (ties go to the lowest stage). Untagged, effect-free equations whose inputs are
+must move (inside a microbatch's work, first the bytes that work made; ties go to the
+lowest stage). Untagged, effect-free equations whose inputs are
 available everywhere (constants, host inputs) or on several stages are *floating*: they
 are recomputed on each stage that needs them instead of being moved. Program inputs
 committed to a submesh stay there; host inputs are put where they are consumed.
@@ -32,6 +33,13 @@ def _meet(locs: Sequence[Loc]) -> Loc:
     return out
 
 
+def _cost(moved: list[tuple[int, bool, frozenset]], c: int) -> tuple[int, int, int]:
+    """Placing on stage ``c``: (bytes of microbatch-made values moved, all bytes moved,
+    ``c``) for inputs (bytes, made by the microbatch, where)."""
+    away = [(b, made) for b, made, where in moved if c not in where]
+    return (sum(b for b, made in away if made), sum(b for b, _m in away), c)
+
+
 def place(
     prog: FlatProgram,
     labels: Labels,
@@ -53,6 +61,8 @@ def place(
     n = len(prog.eqns)
     placed: list[int | None] = [None] * n
     floating: list[bool] = [False] * n
+    mbs = labels.microbatch
+    in_loop: set[Any] = set()  # values made by microbatch work
 
     for i, e in enumerate(prog.eqns):
         ins = list(dict.fromkeys(a for a in e.invars if not isinstance(a, Literal)))
@@ -78,15 +88,18 @@ def place(
             else:
                 cands = sorted(set().union(*[where for where in locs if where is not ANY]))
 
-                costs = {
-                    c: sum(
-                        aval_nbytes(a.aval)
-                        for a, where in zip(ins, locs)
-                        if where is not ANY and c not in where
-                    )
-                    for c in cands
-                }
-                s = min(cands, key=lambda c: (costs[c], c))
+                # in a microbatch's work, values made by that work count first: moving
+                # one makes this submesh's microbatch work wait on another's, while
+                # values made outside the loop (a batch's slices) move before it
+                in_mb = bool(mbs) and mbs[i] is not None
+                moved = [
+                    (aval_nbytes(a.aval), in_mb and a in in_loop, where)
+                    for a, where in zip(ins, locs)
+                    if where is not ANY
+                ]
+                s = min(cands, key=lambda c: _cost(moved, c))
+        if mbs and mbs[i] is not None:
+            in_loop.update(e.outvars)
         if floating[i]:
             followed = any(o in follow for o in e.outvars)
             out_loc = ANY if followed else _meet([loc[a] for a in ins])

@@ -41,8 +41,10 @@ def analyze(x: Any, targets: list[Target], stage_axis: str | None) -> InputInfo:
     if sh is None:
         return InputInfo(ANY, "put")
     devs = frozenset(int(d.id) for d in sh.device_set)
+    order = _compat.device_assignment_ids(sh)
     for t in targets:
-        if frozenset(t.device_ids) == devs and len(t.device_ids) == len(devs):
+        # a submesh's devices in another order: its pieces are re-wrapped, or it is put
+        if t.device_ids == order:
             return InputInfo(frozenset({t.index}), "as_is")
     specs: list[tuple[int, PartitionSpec]] = []
     if isinstance(sh, NamedSharding) and stage_axis and stage_axis in sh.mesh.axis_names:
