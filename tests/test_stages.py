@@ -306,3 +306,30 @@ def test_non_array_output_is_named(mesh4x2):
 def test_eval_shape(mesh4x2):
     out = mm.jit(two_stage, mesh=mesh4x2).eval_shape(W, X)
     assert out.shape == (8,) and out.dtype == jnp.float32
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+def test_args_info_in_avals_and_donation_like_jax_stages(mesh4x2):
+    """``args_info``, ``in_avals`` and ``donate_argnums`` as jax.stages gives them (static
+    arguments left out); ``Lowered.cost_analysis`` and a clear ``compiler_ir`` error."""
+
+    def f(w, x, n):
+        return two_stage(w, x) * n
+
+    jf = jax.jit(f, static_argnums=2, donate_argnums=1).lower(W, X, 3)
+    mf = mm.jit(f, mesh=mesh4x2, static_argnums=2, donate_argnums=1).lower(W, X, 3)
+    for lowered_or_compiled in (mf, mf.compile()):
+        info = lowered_or_compiled.args_info
+        want = jf.args_info
+        assert jax.tree.structure(info) == jax.tree.structure(want)
+        got_l, want_l = jax.tree.leaves(info), jax.tree.leaves(want)
+        assert [(a.shape, a.dtype, a.donated) for a in got_l] == [
+            (a.shape, a.dtype, a.donated) for a in want_l
+        ]
+        assert lowered_or_compiled.donate_argnums == jf.donate_argnums == (1,)
+        assert jax.tree.map(lambda a: (a.shape, a.dtype), lowered_or_compiled.in_avals) == (
+            jax.tree.map(lambda a: (a.shape, a.dtype), jf.in_avals)
+        )
+    assert mf.cost_analysis()["flops"] > 0
+    with pytest.raises(NotImplementedError, match="one per fragment"):
+        mf.compiler_ir()

@@ -260,6 +260,11 @@ def single_device_arrays(x: jax.Array) -> list[jax.Array]:
     return [s.data for s in x.addressable_shards]
 
 
+def arg_info(aval: Any, donated: bool) -> Any:
+    """``jax.stages.ArgInfo`` for one argument."""
+    return jax.stages.ArgInfo(aval, donated)
+
+
 def device_assignment_ids(sharding: jax.sharding.Sharding) -> tuple[int, ...]:
     """Every device id of ``sharding`` in its device-assignment order (jitted programs
     take arguments of one order only)."""

@@ -55,7 +55,34 @@ class Traced:
     scope_stages: dict[str, int]
 
 
-class Lowered:
+class _ArgsInfo:
+    """``args_info``, ``in_avals`` and ``donate_argnums`` as on ``jax.stages`` objects,
+    from ``_arg_avals`` (flat) and ``_donated`` (flat indices)."""
+
+    in_tree: Any
+    _arg_avals: list[Any]
+    _donated: frozenset[int]
+
+    @property
+    def args_info(self) -> Any:
+        """A pytree of ``jax.stages.ArgInfo`` (shape, dtype, donated) for the arguments."""
+        return jax.tree_util.tree_unflatten(
+            self.in_tree,
+            [_compat.arg_info(a, i in self._donated) for i, a in enumerate(self._arg_avals)],
+        )
+
+    @property
+    def in_avals(self) -> Any:
+        """A pytree of the arguments' abstract values."""
+        return jax.tree_util.tree_unflatten(self.in_tree, list(self._arg_avals))
+
+    @property
+    def donate_argnums(self) -> tuple[int, ...]:
+        """Flat indices of the donated arguments."""
+        return tuple(sorted(self._donated))
+
+
+class Lowered(_ArgsInfo):
     """A traced and planned MPMD program (not yet compiled by XLA)."""
 
     def __init__(
@@ -72,6 +99,8 @@ class Lowered:
         self._out_shardings = out_shardings
         self.jaxpr = traced.jaxpr
         self.in_tree = traced.in_tree
+        self._arg_avals = list(traced.jaxpr.in_avals)
+        self._donated = frozenset(fn._signature.donated_leaves(call))
         self.out_tree = traced.out_tree
         self.scope_stages = traced.scope_stages
         mmesh = fn.multimesh
@@ -169,6 +198,20 @@ class Lowered:
         ]
         return _compat.stable_hash(self.plan.as_text()), where, devices
 
+    def cost_analysis(self) -> CostAnalysis:
+        """The compiled program's cost estimates (XLA's per fragment, summed): an MPMD
+        program is estimated after compiling its fragments (``Compiled.cost_analysis``)."""
+        return self.compile().cost_analysis()
+
+    def compiler_ir(self, dialect: str | None = None) -> Any:
+        """Not one module: an MPMD program is one XLA program per fragment. Raises
+        ``NotImplementedError`` pointing at the plan and the fragments' own programs."""
+        raise NotImplementedError(
+            "an mm.jit program is several XLA programs (one per fragment), not one module: "
+            "read the plan with .as_text() or .plan, and each fragment's program with "
+            "lowered.compile().fragments[i].as_text()."
+        )
+
     def compile(self, compiler_options: dict[str, Any] | None = None) -> Compiled:
         """Compile every fragment with XLA for its submesh (``compiler_options`` are
         passed to each fragment's compilation, as ``jax.stages.Lowered.compile`` does).
@@ -218,7 +261,7 @@ def _check_same_plan(
     )
 
 
-class Compiled:
+class Compiled(_ArgsInfo):
     """A compiled MPMD program: call it with the lowered function's non-static
     arguments (as ``jax.stages.Compiled`` is called)."""
 
@@ -228,6 +271,7 @@ class Compiled:
         self._call = lowered._call
         self.in_tree = lowered.in_tree
         self.out_tree = lowered.out_tree
+        self._arg_avals, self._donated = lowered._arg_avals, lowered._donated
         self.plan = lowered.plan
         self._out_info = lowered.out_info
         self._leaf_keys = [leaf_key(x) for x in lowered._flat]
@@ -518,3 +562,4 @@ def _piece_info(p: Any) -> InputInfo:
     if isinstance(p, host_inputs.HostConst):
         return InputInfo(ANY, "host_const")
     return InputInfo(frozenset({p.stage}), "piece")  # layers.InputPiece
+
