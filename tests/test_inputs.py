@@ -290,3 +290,24 @@ def test_argument_on_a_submesh_in_another_device_order(mesh4x2, spec):
     assert_close(
         jax.grad(lambda x: f(w, x))(x), mm.jit(jax.grad(lambda x: f(w, x)), mesh=mesh4x2)(xr)
     )
+
+
+def test_a_value_returned_twice_is_two_arrays(mesh4x2):
+    """``return h, h`` gives two independent arrays, as under jax.jit: donating one leaves
+    the other intact (found by a probe: one object, deleted with the other)."""
+    w = jnp.eye(4) * 2
+    x = jnp.ones((2, 4))
+
+    def f(w, x):
+        with mm.task("a", stage=0):
+            h = jnp.tanh(x @ w)
+        with mm.task("b", stage=1):
+            g = h * 3
+        return h, h, g, g
+
+    o = mm.jit(f, mesh=mesh4x2)(w, x)
+    assert o[0] is not o[1] and o[2] is not o[3]
+    assert_close(o, reference(f, mesh4x2, w, x))
+    mm.jit(lambda a: a + 1, mesh=mesh4x2, donate_argnums=0)(o[0])
+    assert o[0].is_deleted() and not o[1].is_deleted()
+    assert_close(o[1], jnp.tanh(x @ w))

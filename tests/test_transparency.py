@@ -158,3 +158,23 @@ def test_task_name_from_function(mesh4x2):
     with pytest.raises(TypeError, match="needs a name when used as a context manager"):
         with mm.task(stage=0):
             pass
+
+
+def test_microbatch_outputs_holding_none(mesh4x2):
+    """``None`` in a microbatched function's outputs (``has_aux`` with ``aux=None``, a
+    dict entry) stays ``None``: eagerly, under jax.jit and under mm.jit alike (found by a
+    probe: the reference scan called ``.astype`` on it)."""
+    w, x = jnp.eye(4), jnp.ones((4, 4))
+
+    def loss(w, x):
+        with mm.task("a", stage=0):
+            h = x @ w
+        return jnp.sum(h), {"none": None, "n": jnp.sum(h > 0)}
+
+    g = mm.microbatch(jax.value_and_grad(loss, has_aux=True), 2, argnums=1)
+    want = [16.0, 16, 4 * np.ones((4, 4))]  # summed over 2 microbatches of 2 rows
+    for got in (g(w, x), jax.jit(g)(w, x), mm.jit(g, mesh=mesh4x2)(w, x)):
+        (val, aux), grad = got
+        assert aux["none"] is None
+        for a, b in zip([val, aux["n"], grad], want):
+            np.testing.assert_allclose(np.asarray(a), b)

@@ -274,7 +274,7 @@ def _scan_reference(call, M, piece, reduce):
     def body(carry: Any, k: Any) -> tuple[Any, Any]:
         out, aux = call(piece(k))
         new = jax.tree.map(
-            lambda r, c, o: None if r == "stack" else c + o.astype(c.dtype),
+            lambda r, c, o: None if r == "stack" or o is None else c + o.astype(c.dtype),
             red,
             carry,
             out,

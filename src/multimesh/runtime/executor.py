@@ -387,6 +387,15 @@ class Executable:
                 )
             )
         self._literal_pos = [k for k, _v, _a in literals]
+        # an output returned twice (``return h, h``) is two arrays, as under jax.jit
+        seen: set[tuple[int, ...]] = set()
+        self._dup_outputs: list[int] = []
+        for k, out in enumerate(plan.outputs):
+            if out[0] == "slots":
+                key = tuple(out_ids[k])
+                if key in seen:
+                    self._dup_outputs.append(k)
+                seen.add(key)
         # outputs returned as one array sharded over the stage axis, from per-stage pieces
         self._assembled: list[tuple[int, list[int], Any, tuple[int, ...], list[Any]]] = []
         for k, idxs in (assembled or {}).items():
@@ -643,6 +652,8 @@ class Executable:
             outs[k] = jax.make_array_from_single_device_arrays(
                 shape, gsh, parts, dtype=outs[idxs[0]].dtype
             )
+        for k in self._dup_outputs:
+            outs[k] = _compat.fresh_copy([outs[k]])[0]
         outs = outs[: self._num_outputs]
         if self._loc is not None:  # other processes may fetch these (mm.distributed.to_host)
             from multimesh.distributed import _host
