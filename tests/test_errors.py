@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import reference
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -70,6 +71,56 @@ def test_nested_via_cached_inner_jit(mesh4x2):
 
     with pytest.raises(ValueError, match="nested"):
         run(f, mesh4x2, jnp.ones(2))
+
+
+def test_tasks_in_cond_branches(mesh4x2):
+    """Tasks in the branches of one lax.cond run there if they share a submesh (found by
+    a probe: reported as nested); on different submeshes the cond cannot be split: a
+    clear error naming the tasks."""
+    w = jnp.eye(4) / 2
+    x = jnp.arange(8.0).reshape(2, 4)
+
+    def f(x, second_stage):
+        with mm.task("a", stage=0):
+            h = x @ w
+
+        def yes(h):
+            with mm.task("b", stage=1):
+                return h @ w
+
+        def no(h):
+            with mm.task("c", stage=second_stage):
+                return h * 2
+
+        return jax.lax.cond(h.sum() > 0, yes, no, h).sum()
+
+    g = mm.jit(f, mesh=mesh4x2, static_argnums=1)
+    for xs in (x, -x):
+        np.testing.assert_allclose(g(xs, 1), reference(lambda v: f(v, 1), mesh4x2, xs), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"\['b', 'c'\] sit inside a `cond` body .* one stage"):
+        g(x, 2)
+
+
+def test_pipeline_coming_back_to_a_stage_names_the_tasks():
+    """A tied head put back on the embedding's stage makes each microbatch's forward pass
+    return to stage 0: not a chain. The error names the tasks per stage and the fix."""
+    mesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    emb, w = jnp.ones((16, 8)) / 8, jnp.eye(8)
+    tok = jnp.arange(8) % 16
+
+    def loss(p, tok):
+        emb, w = p
+        with mm.task("embed", stage=0):
+            h = emb[tok]
+        with mm.task("layer", stage=1):
+            h = jnp.tanh(h @ w)
+        with mm.task("head", stage=0):
+            logits = h @ emb.T
+        return jnp.mean(jax.nn.logsumexp(logits, -1))
+
+    g = mm.microbatch(jax.value_and_grad(loss), 2, argnums=1)
+    with pytest.raises(ValueError, match=r"stage 0: \['embed', 'head'\]; stage 1: \['layer'\]"):
+        mm.jit(g, mesh=mesh)((emb, w), tok)
 
 
 def test_overlapping_meshes():

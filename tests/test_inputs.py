@@ -311,3 +311,47 @@ def test_a_value_returned_twice_is_two_arrays(mesh4x2):
     mm.jit(lambda a: a + 1, mesh=mesh4x2, donate_argnums=0)(o[0])
     assert o[0].is_deleted() and not o[1].is_deleted()
     assert_close(o[1], jnp.tanh(x @ w))
+
+
+def _skip_loss(ws, x, y):
+    """A residual from stage 0 added after the last stage, untagged."""
+    h = x
+    for i, w in enumerate(ws):
+        with mm.task(f"s{i}", stage=i):
+            h = jnp.tanh(h @ w)
+        if i == 0:
+            h0 = h
+    return jnp.mean((h + h0 - y) ** 2)
+
+
+def _aux_loss(ws, x, y):
+    """An auxiliary loss from stage 0's activations (an MoE balance loss), untagged and
+    evaluated after the main loss."""
+    h = x
+    for i, w in enumerate(ws):
+        with mm.task(f"s{i}", stage=i):
+            h = h + jnp.tanh(h @ w)
+        if i == 0:
+            h0 = h
+    return jnp.mean((h - y) ** 2) + 0.01 * jnp.mean(h0**2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1", "interleaved-1f1b"])
+@pytest.mark.parametrize("loss", [_skip_loss, _aux_loss], ids=["skip", "aux"])
+def test_untagged_code_after_the_last_stage_using_stage_0(schedule, loss):
+    """Untagged code joining the last stage's output with a value from stage 0 runs on the
+    last stage (where the microbatch's data flows), not on stage 0, which would send each
+    microbatch's forward back to stage 0 and deadlock 1F1B-style orders (found by a
+    probe: "invalid schedule ... (deadlock)")."""
+    rng = np.random.default_rng(3)
+    n = 8 if schedule == "interleaved-1f1b" else 4
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(n)]
+    x = rng.normal(size=(8, 8)).astype(np.float32)
+    y = np.sin(x)
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+
+    def step(ws, x, y):
+        vg = jax.value_and_grad(loss)
+        return mm.microbatch(vg, 4, argnums=(1, 2), schedule=schedule, reduce="mean")(ws, x, y)
+
+    assert_close(mm.jit(step, mesh=mesh)(ws, x, y), reference(step, mesh, ws, x, y))

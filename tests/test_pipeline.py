@@ -411,6 +411,8 @@ def test_microbatch_argument_errors():
         mm.microbatch(lambda x: x, 2, in_shardings=(None, None))
     with pytest.raises(ValueError, match=r"has_aux=True\) needs fun to return a pair"):
         mm.microbatch(lambda x: x.sum(), 2, has_aux=True)(jnp.ones(4))
+    with pytest.raises(TypeError, match=r"axis must be one int .* got \(0, 1\)"):
+        mm.microbatch(lambda x, y: x.sum(), 2, argnums=(0, 1), axis=(0, 1))
 
 
 def test_two_dependent_microbatch_loops_in_one_step():

@@ -108,6 +108,12 @@ def microbatch(
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}.")
     sched = _schedules.get(schedule)
     _check_reduce(reduce)
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise TypeError(
+            f"microbatch axis must be one int (the batch axis of every batch argument), got "
+            f"{axis!r}; give arguments batched along other axes their own mm.microbatch, or "
+            "move their batch axis first (jnp.moveaxis)."
+        )
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if isinstance(in_shardings, (tuple, list)) and len(in_shardings) != len(nums):
         raise ValueError(

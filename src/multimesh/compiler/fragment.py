@@ -59,6 +59,14 @@ class _Group:
     segment: int = 0
 
 
+class _Revisit(Exception):
+    """A microbatch's forward pass comes back to a task stage it has left."""
+
+    def __init__(self, stages: list[int]) -> None:
+        super().__init__(stages)
+        self.stages = stages
+
+
 class _Cyclic(Exception):
     """Splitting a submesh's loop work into segments made the group graph cyclic."""
 
@@ -577,7 +585,23 @@ def _build_schedules(groups, loops, labels):
         submesh_of = {virt_of[g]: groups[g].stage for g in virt_of}
         S = len(set(submesh_of.values()))
         sched = info.schedule
-        order = _pipeline_order(groups, mine, virt_of, used)
+        try:
+            order = _pipeline_order(groups, mine, virt_of, used)
+        except _Revisit as e:
+            names: dict[int, set[str]] = {}
+            for gid in mine:
+                if gid in virt_of and groups[gid].phase == "F":
+                    for i in groups[gid].eqns:
+                        if labels.tasks[i] is not None:
+                            names.setdefault(virt_of[gid], set()).add(labels.tasks[i].name)
+            which = "; ".join(f"stage {v}: {sorted(names.get(v, ()))}" for v in e.stages)
+            raise ValueError(
+                f"the microbatch loop's forward pass goes back to a stage it has left (task "
+                f"stages {e.stages} feed each other in a cycle; tasks by stage: {which}). A "
+                "pipeline's stages must form a chain: give the task that comes back (e.g. a "
+                "tied head next to its embedding) a stage of its own or the last stage's, "
+                "and let its weights move there."
+            ) from None
         num_virtual = len(order)
         chunks = max(1, num_virtual // max(S, 1))
         if num_virtual % S:
@@ -634,10 +658,7 @@ def _pipeline_order(groups, mine, virt_of, used) -> list[int]:
     while left:
         ready = sorted(v for v in left if after[v] <= set(order))
         if not ready:
-            raise ValueError(
-                f"the forward passes of task stages {sorted(left)} depend on each other in a "
-                "cycle within one microbatch; a pipeline needs its stages in a chain."
-            )
+            raise _Revisit(sorted(left))
         order.append(ready[0])
         left.discard(ready[0])
     return order

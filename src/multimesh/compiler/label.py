@@ -34,6 +34,18 @@ def _eqn_task(eqn: Any, memo: dict) -> TaskRef | None:
             "nnx.scan), not around other code."
         )
     distinct = {(r.name, r.stage, r.mesh) for r in refs}
+    if len(distinct) > 1 and not own:
+        # tasks inside one control-flow equation (the branches of a lax.cond): fine if
+        # they all run on one submesh; control flow cannot be split across submeshes
+        if len({(r.stage, r.mesh) for r in refs}) == 1:
+            return refs[0]
+        names = sorted({r.name for r in refs})
+        raise ValueError(
+            f"tasks {names} are inside one {eqn.primitive.name} (e.g. the branches of a "
+            "lax.cond) but run on different submeshes; control flow cannot be split "
+            f"across submeshes. Put the whole {eqn.primitive.name} in one task, or move "
+            "the tasks out of it."
+        )
     if len(distinct) > 1:
         names = [r.name for r in own] or sorted({r.name for r in refs})
         raise ValueError(

@@ -2,8 +2,8 @@
 
 Tagged equations run on their task's submesh. An untagged equation runs next to its
 data: where its inputs already are, or else on the stage that minimises the bytes that
-must move (inside a microbatch's work, first the bytes that work made; ties go to the
-lowest stage). Untagged, effect-free equations whose inputs are
+must move (inside a microbatch's work: where the value that work made furthest down its
+flow is, then the bytes it made; ties go to the lowest stage). Untagged, effect-free equations whose inputs are
 available everywhere (constants, host inputs) or on several stages are *floating*: they
 are recomputed on each stage that needs them instead of being moved. Program inputs
 committed to a submesh stay there; host inputs are put where they are consumed.
@@ -62,7 +62,7 @@ def place(
     placed: list[int | None] = [None] * n
     floating: list[bool] = [False] * n
     mbs = labels.microbatch
-    in_loop: set[Any] = set()  # values made by microbatch work
+    made: dict[Any, int] = {}  # values made by microbatch work -> submesh hops to them
 
     for i, e in enumerate(prog.eqns):
         ins = list(dict.fromkeys(a for a in e.invars if not isinstance(a, Literal)))
@@ -93,13 +93,28 @@ def place(
                 # values made outside the loop (a batch's slices) move before it
                 in_mb = bool(mbs) and mbs[i] is not None
                 moved = [
-                    (aval_nbytes(a.aval), in_mb and a in in_loop, where)
+                    (aval_nbytes(a.aval), in_mb and a in made, where)
                     for a, where in zip(ins, locs)
                     if where is not ANY
                 ]
-                s = min(cands, key=lambda c: _cost(moved, c))
+                # ... and among those, it runs where the one furthest down the
+                # microbatch's flow is (most submesh hops from its start): the work
+                # continues where the data flows (a residual or an auxiliary loss from
+                # stage 0 added after the last stage stays on the last stage, instead of
+                # sending that microbatch's work back to stage 0)
+                down = {
+                    c: max((made[a] for a, w in zip(ins, locs) if a in made and c in w), default=-1)
+                    for c in cands
+                }
+                s = min(cands, key=lambda c: (-down[c] if in_mb else 0, *_cost(moved, c)))
         if mbs and mbs[i] is not None:
-            in_loop.update(e.outvars)
+            hops = [
+                made[a] + (0 if floating[i] or loc[a] is ANY or s in loc[a] else 1)
+                for a in ins
+                if a in made
+            ]
+            for o in e.outvars:
+                made[o] = max(hops, default=0)
         if floating[i]:
             followed = any(o in follow for o in e.outvars)
             out_loc = ANY if followed else _meet([loc[a] for a in ins])
