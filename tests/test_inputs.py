@@ -355,3 +355,65 @@ def test_untagged_code_after_the_last_stage_using_stage_0(schedule, loss):
         return mm.microbatch(vg, 4, argnums=(1, 2), schedule=schedule, reduce="mean")(ws, x, y)
 
     assert_close(mm.jit(step, mesh=mesh)(ws, x, y), reference(step, mesh, ws, x, y))
+
+
+def test_untagged_parameter_between_stages_fed_back():
+    """An untagged parameter used between two stages (a scale, a LayerNorm's weights)
+    comes back from a step on a later stage; the next step broadcasts it where it is
+    used (found by a probe: the second step was refused as a cycle)."""
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    rng = np.random.default_rng(4)
+    ps = [
+        (rng.normal(size=(8, 8)).astype(np.float32) / 3, np.full(8, 0.1, np.float32))
+        for _ in range(4)
+    ]
+    s = np.full(8, 1.1, np.float32)
+    x = rng.normal(size=(16, 8)).astype(np.float32)
+
+    def loss(p, x):
+        ps, s = p
+        h = x
+        for i, (w, b) in enumerate(ps):
+            with mm.task(f"l{i}", stage=i):
+                h = jnp.tanh(h @ w + b)
+            if i == 1:
+                h = h * s  # untagged
+        return jnp.mean(h**2)
+
+    g = mm.microbatch(jax.value_and_grad(loss), 2, argnums=1, schedule="1f1b", reduce="mean")
+
+    def step(p, x):
+        v, gr = g(p, x)
+        return jax.tree.map(lambda a, d: a - 0.1 * d, p, gr), v
+
+    mstep, jstep = mm.jit(step, mesh=mesh), jax.jit(step)
+    mp = rp = (ps, s)
+    for _ in range(3):
+        mp, mv = mstep(mp, x)
+        rp, rv = jstep(rp, x)
+        assert_close((mp, mv), (rp, rv), rtol=1e-5, atol=1e-6)
+
+
+def test_interleaved_untagged_aux_loss_from_a_later_chunk():
+    """Interleaved 1F1B: an untagged auxiliary loss from virtual stage 5 (submesh 1's
+    second chunk) belongs to that chunk, not the submesh's first (found by a probe: an
+    invalid-schedule deadlock)."""
+    rng = np.random.default_rng(5)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(8)]
+    x = rng.normal(size=(8, 8)).astype(np.float32)
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+
+    def loss(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                h = h + jnp.tanh(h @ w)
+            if i == 5:
+                aux = 0.01 * jnp.mean(h**2)
+        return jnp.mean(h**2) + aux
+
+    def step(ws, x):
+        vg = jax.value_and_grad(loss)
+        return mm.microbatch(vg, 4, argnums=1, schedule="interleaved-1f1b", reduce="mean")(ws, x)
+
+    assert_close(mm.jit(step, mesh=mesh)(ws, x), reference(step, mesh, ws, x))

@@ -627,11 +627,18 @@ def _build_schedules(groups, loops, labels):
                 )
         for gid in mine:
             if gid not in virt_of:
-                cands = [
-                    virt_of[x]
-                    for x in mine
-                    if x in virt_of and groups[x].stage == groups[gid].stage
+                g = groups[gid]
+                # untagged work continues the virtual stage it follows on its submesh (an
+                # auxiliary loss from a later chunk belongs to that chunk, not the first)
+                after = [
+                    virt_of[p]
+                    for p in g.pred
+                    if p in virt_of and groups[p].stage == g.stage and groups[p].mb == g.mb
                 ]
+                if after:
+                    virt_of[gid] = max(after) if g.phase == "F" else min(after)
+                    continue
+                cands = [virt_of[x] for x in mine if x in virt_of and groups[x].stage == g.stage]
                 virt_of[gid] = min(cands) if cands else min(used)
         rows = sched.build(S, info.num_microbatches, chunks)
         rows = [[Action(order[a.stage], a.microbatch, a.phase) for a in row] for row in rows]

@@ -67,12 +67,21 @@ def place(
     for i, e in enumerate(prog.eqns):
         ins = list(dict.fromkeys(a for a in e.invars if not isinstance(a, Literal)))
         s = labels.stages[i]
+        follow_i = False
         if s is None:
             locs = [loc[a] for a in ins]
             meet = _meet(locs)
             pure = not e.effects
-            if pure and follow and any(o in follow for o in e.outvars):
+            in_mb = bool(mbs) and mbs[i] is not None
+            if pure and (
+                any(o in follow for o in e.outvars)
+                or (in_mb and ins and not any(a in made for a in ins))
+            ):
+                # a cut, or microbatch work on values made before the loop only (a
+                # broadcast of a parameter): run where used, its inputs moved before the
+                # loop; next to them it could make a stage wait on a later one
                 floating[i] = True
+                follow_i = True
             elif meet is ANY:
                 if pure:
                     floating[i] = True
@@ -91,7 +100,6 @@ def place(
                 # in a microbatch's work, values made by that work count first: moving
                 # one makes this submesh's microbatch work wait on another's, while
                 # values made outside the loop (a batch's slices) move before it
-                in_mb = bool(mbs) and mbs[i] is not None
                 moved = [
                     (aval_nbytes(a.aval), in_mb and a in made, where)
                     for a, where in zip(ins, locs)
@@ -107,7 +115,7 @@ def place(
                     for c in cands
                 }
                 s = min(cands, key=lambda c: (-down[c] if in_mb else 0, *_cost(moved, c)))
-        if mbs and mbs[i] is not None:
+        if mbs and mbs[i] is not None and not follow_i:
             hops = [
                 made[a] + (0 if floating[i] or loc[a] is ANY or s in loc[a] else 1)
                 for a in ins
@@ -116,8 +124,7 @@ def place(
             for o in e.outvars:
                 made[o] = max(hops, default=0)
         if floating[i]:
-            followed = any(o in follow for o in e.outvars)
-            out_loc = ANY if followed else _meet([loc[a] for a in ins])
+            out_loc = ANY if follow_i else _meet([loc[a] for a in ins])
         else:
             placed[i] = s
             out_loc = frozenset({s})
