@@ -3,8 +3,8 @@
 Tagged equations run on their task's submesh. An untagged equation runs next to its
 data: where its inputs already are, or else on the stage that minimises the bytes that
 must move (inside a microbatch's work: where the value that work made furthest down its
-flow is, then the bytes it made; ties go to the lowest stage). Untagged, effect-free equations whose inputs are
-available everywhere (constants, host inputs) or on several stages are *floating*: they
+flow is, then the bytes it made; ties go to the lowest stage). Untagged, effect-free
+equations whose inputs are available everywhere (constants, host inputs) or on several stages are *floating*: they
 are recomputed on each stage that needs them instead of being moved. Program inputs
 committed to a submesh stay there; host inputs are put where they are consumed.
 
@@ -49,10 +49,11 @@ def place(
 ) -> Placement:
     """Assign every equation instance a stage; list the transfers between stages.
 
-    Untagged, effect-free equations producing a variable in ``follow`` float whatever
-    their inputs: they run on each stage that uses them, their inputs moved there (a
-    microbatch's cut of a batch committed to another submesh: cut next to the data, it
-    would make the using stage's microbatch work wait on that submesh's)."""
+    Untagged, effect-free equations producing a variable in ``follow``, and untagged
+    microbatch work on values made before the loop only, float whatever their inputs:
+    they run on each stage that uses them, their inputs moved there before the loop
+    (next to the data, a microbatch's cut of a batch or a broadcast of a parameter on a
+    later submesh would make an earlier stage's microbatch work wait on that one's)."""
     loc: dict[Any, Loc] = {}
     for v, where in zip(prog.invars, input_locs):
         loc[v] = where
@@ -68,11 +69,11 @@ def place(
         ins = list(dict.fromkeys(a for a in e.invars if not isinstance(a, Literal)))
         s = labels.stages[i]
         follow_i = False
+        in_mb = bool(mbs) and mbs[i] is not None
         if s is None:
             locs = [loc[a] for a in ins]
             meet = _meet(locs)
             pure = not e.effects
-            in_mb = bool(mbs) and mbs[i] is not None
             if pure and (
                 any(o in follow for o in e.outvars)
                 or (in_mb and ins and not any(a in made for a in ins))
@@ -115,7 +116,7 @@ def place(
                     for c in cands
                 }
                 s = min(cands, key=lambda c: (-down[c] if in_mb else 0, *_cost(moved, c)))
-        if mbs and mbs[i] is not None and not follow_i:
+        if in_mb and not follow_i:
             hops = [
                 made[a] + (0 if floating[i] or loc[a] is ANY or s in loc[a] else 1)
                 for a in ins
