@@ -417,3 +417,31 @@ def test_interleaved_untagged_aux_loss_from_a_later_chunk():
         return mm.microbatch(vg, 4, argnums=1, schedule="interleaved-1f1b", reduce="mean")(ws, x)
 
     assert_close(mm.jit(step, mesh=mesh)(ws, x), reference(step, mesh, ws, x))
+
+
+@pytest.mark.parametrize("pair", [(0, 3), (1, 5), (3, 4), (2, 7)])
+def test_interleaved_untagged_aux_loss_mixing_two_chunks(pair):
+    """Interleaved 1F1B: an untagged auxiliary loss mixing the outputs of two virtual
+    stages. Its gradient needs only forward values (the seed is a constant), so it is
+    backward work with no backward input; in its chunk's backward step it ran after a
+    later chunk that consumes it (found by a probe: 13 of 28 pairs deadlocked). It now
+    runs before its first consumer on the submesh."""
+    i, j = pair
+    rng = np.random.default_rng(6)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(8)]
+    x = rng.normal(size=(8, 8)).astype(np.float32)
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+
+    def loss(ws, x):
+        h, hs = x, []
+        for k, w in enumerate(ws):
+            with mm.task(f"s{k}", stage=k):
+                h = h + jnp.tanh(h @ w)
+            hs.append(h)
+        return jnp.mean(h**2) + 0.01 * jnp.mean(hs[i] * hs[j])
+
+    def step(ws, x):
+        vg = jax.value_and_grad(loss)
+        return mm.microbatch(vg, 4, argnums=1, schedule="interleaved-1f1b", reduce="mean")(ws, x)
+
+    assert_close(mm.jit(step, mesh=mesh)(ws, x), reference(step, mesh, ws, x))

@@ -336,7 +336,9 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
             if k < len(my_loops):
                 j = my_loops[k]
                 rows = {j: sched_rows[j]} if j in sched_rows else {}
-                seq += _loop_order(groups, [g for g in loop_groups if groups[g].mb[0] == j], rows)
+                seq += _loop_order(
+                    groups, [g for g in loop_groups if groups[g].mb[0] == j], rows, topo
+                )
         seqs[s] = seq
 
     # merge a consumer that directly follows its producer on the same submesh
@@ -625,6 +627,7 @@ def _build_schedules(groups, loops, labels):
                     f"but stage {v} is on submesh {submesh_of[v]} and stage {order[p % S]} "
                     f"on {submesh_of[order[p % S]]}."
                 )
+        tagged = set(virt_of)
         for gid in mine:
             if gid not in virt_of:
                 g = groups[gid]
@@ -645,8 +648,57 @@ def _build_schedules(groups, loops, labels):
         for gid in mine:
             g = groups[gid]
             g.actions = [Action(virt_of[gid], g.mb[1], g.phase)]
+        _fit_untagged(groups, mine, tagged, rows, submesh_of)
         out[loop] = (sched, rows, None)
     return out
+
+
+def _fit_untagged(groups, mine, tagged, rows, submesh_of) -> None:
+    """Move untagged loop work to a step of the schedule where its submesh has what it
+    needs and has not yet run what needs it.
+
+    The default step (the virtual stage it follows, in its own phase) can be too late: an
+    auxiliary loss's gradient needs only forward values (its seed is a constant), so it is
+    backward work with no backward input; given the backward step of its chunk, it would
+    run after a later chunk that consumes it (interleaved 1F1B: a deadlock). Such work is
+    moved to the latest step before its first consumer on the submesh (or the earliest
+    after its last producer)."""
+    pos: dict[Action, int] = {}
+    for row in rows:
+        for a in row:
+            pos.setdefault(a, len(pos))
+    mine_set = set(mine)
+
+    def bound(gid: int, edges: str) -> list[int]:
+        g = groups[gid]
+        out = []
+        for x in _reach(groups, [gid], edges):
+            gx = groups[x]
+            if x in mine_set and gx.stage == g.stage and gx.mb == g.mb and gx.actions:
+                if edges == "succ" and x not in tagged:
+                    continue  # untagged descendants follow this one
+                if gx.actions[0] in pos:
+                    out.append(pos[gx.actions[0]])
+        return out
+
+    topo = _topo_positions(groups)
+    for gid in sorted((x for x in mine if x not in tagged), key=topo.__getitem__):
+        g = groups[gid]
+        (act,) = g.actions
+        if act not in pos:
+            continue
+        lo = max(bound(gid, "pred"), default=-1)
+        hi = min(bound(gid, "succ"), default=len(pos))
+        if lo > hi:
+            continue  # a real cycle: the dispatcher names it
+        at = min(max(pos[act], lo), hi)
+        if at != pos[act]:
+            (a,) = [
+                a
+                for a, p in pos.items()
+                if p == at and submesh_of.get(a.stage) == g.stage and a.microbatch == g.mb[1]
+            ]
+            g.actions = [a]
 
 
 def _pipeline_order(groups, mine, virt_of, used) -> list[int]:
@@ -703,7 +755,7 @@ def _split_backward(groups, loop, prog, placement, transfers_from):
             g.eqns = g.eqns & need
 
 
-def _loop_order(groups, loop_groups, sched_rows):
+def _loop_order(groups, loop_groups, sched_rows, topo):
     by_action: dict[Action, list[int]] = {}
     for gid in loop_groups:
         for a in groups[gid].actions:
@@ -713,10 +765,7 @@ def _loop_order(groups, loop_groups, sched_rows):
     for _loop, (_sched, rows, _sub) in sorted(sched_rows.items()):
         for row in rows:
             for a in row:
-                for gid in sorted(
-                    by_action.get(a, []),
-                    key=lambda x: (groups[x].level, min(groups[x].eqns, default=0)),
-                ):
+                for gid in sorted(by_action.get(a, []), key=topo.__getitem__):
                     if gid not in placed and groups[gid].alive:
                         placed.add(gid)
                         out.append(gid)
