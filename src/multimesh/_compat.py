@@ -8,6 +8,7 @@ Everything else in MultiMesh uses public JAX APIs (``jax``, ``jax.extend``,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -66,6 +67,12 @@ def concat_name_stacks(outer: Any, inner: Any) -> Any:
 def push_scope(name_stack: Any, scope: str) -> Any:
     """The name stack with one more named scope inside."""
     return name_stack.extend(scope)
+
+
+def drop_scopes(name_stack: Any, names: Callable[[str], bool]) -> Any:
+    """The name stack without the named scopes for which ``names`` is true."""
+    keep = tuple(e for e in name_stack.stack if not (isinstance(e, _siu.Scope) and names(e.name)))
+    return dataclasses.replace(name_stack, stack=keep)
 
 
 def with_name_stack(eqn: JaxprEqn, name_stack: Any) -> JaxprEqn:

@@ -44,6 +44,10 @@ def decode_microbatch(scope: str) -> tuple[int, int] | None:
 
 _REDUCTIONS = ("sum", "mean", "stack")
 
+# marks the additions that sum a loop's outputs over microbatches (see
+# multimesh.compiler.accumulate)
+ACCUMULATE_SCOPE = "accumulate@mm"
+
 
 def _check_reduce(reduce: Any) -> None:
     for leaf in jax.tree.leaves(reduce):
@@ -201,7 +205,7 @@ def microbatch(
                             # scan does), so that microbatch 0's work is the same program
                             # as every other microbatch's and shares its executable
                             acc = jax.tree.map(_zeros, summed)
-                        with jax.named_scope(scope):
+                        with jax.named_scope(scope), jax.named_scope(ACCUMULATE_SCOPE):
                             acc = jax.tree.map(_add, acc, summed)
                     per_mb.append(
                         (jax.tree.map(lambda r, o: o if r == "stack" else None, red, out), aux)
