@@ -127,6 +127,7 @@ def test_help_documents_every_flag():
         "--num-steps",
         "--learning-rate",
         "--remat",
+        "--tied-embeddings",
         "--seed",
         "--dump",
         "--compare-spmd",
@@ -137,10 +138,13 @@ def test_help_documents_every_flag():
 
 def test_dump(tmp_path):
     out = tmp_path / "dump"
-    run("--pp", "4", "--dp", "2", "--dump", str(out), tmp_path=tmp_path)
+    run("--pp", "4", "--dp", "2", "--tied-embeddings", "--dump", str(out), tmp_path=tmp_path)
     for name in ["plan.txt", "simulated.png", "measured.png", "trace.json"]:
         assert (out / name).stat().st_size > 0, name
-    assert "MPMD plan" in (out / "plan.txt").read_text()
+    plan = (out / "plan.txt").read_text()
+    assert "MPMD plan" in plan
+    # tied embeddings: the last stage's share of the table's gradient moves once a step
+    assert plan.count("transfer stage3->stage0 float32[64, 32]") == 1, plan
 
 
 def test_console_script_and_module(tmp_path):

@@ -67,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab-size", type=int, default=256, help="vocabulary size")
     m.add_argument("--remat", action="store_true", help="recompute each layer in the backward")
     m.add_argument(
+        "--tied-embeddings",
+        action="store_true",
+        help="logits from the embedding table (used on the first and the last stage; its "
+        "gradient is summed per stage and sent once per step) (gpt)",
+    )
+    m.add_argument(
         "--maxtext-override",
         action="append",
         default=None,

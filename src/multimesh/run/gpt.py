@@ -50,6 +50,7 @@ def run(ns: argparse.Namespace) -> int:
         dp=ns.dp * ns.fsdp > 1,
         fsdp=ns.fsdp > 1,
         remat=ns.remat,
+        tied=ns.tied_embeddings,
         mlp=ns.mlp_dims or 0,
         batch_axes=("data", "fsdp"),
         fsdp_axis="fsdp",

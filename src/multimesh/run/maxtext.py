@@ -154,6 +154,8 @@ def overrides(
         if ns.max_to_keep is not None:
             o["max_num_checkpoints_to_keep"] = ns.max_to_keep
     o["remat_policy"] = "full" if ns.remat else "none"
+    if ns.tied_embeddings:
+        o["logits_via_embedding"] = True
     if ns.model_name:
         o["model_name"] = ns.model_name
         if getattr(ns, "num_layers_given", False):
