@@ -76,7 +76,8 @@ def split_accumulators(prog: FlatProgram, labels: Labels) -> tuple[FlatProgram, 
             j = producer.get(e.invars[0])
             if j is not None and _is_acc(eqns[j]) and uses.get(e.invars[0], 0) == 1:
                 acc_next[j] = i
-    starts = [i for i, e in enumerate(eqns) if _is_acc(e) and i not in acc_next.values()]
+    continued = set(acc_next.values())
+    starts = [i for i, e in enumerate(eqns) if _is_acc(e) and i not in continued]
     replace: dict[int, list[tuple[Any, Any]]] = {}  # eqn -> new (eqn, microbatch) pairs
     drop: set[int] = set()
     for i0 in starts:
