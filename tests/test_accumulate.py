@@ -114,3 +114,41 @@ def test_one_stage_gradients_keep_one_accumulator():
     prog = mm.jit(step, mesh=mesh).lower(ws, x)._prog
     accs = [e for e in prog.eqns if accumulate._is_acc(e)]
     assert len(accs) == 3 * 2  # (loss, w0, w1) x 2 microbatches: one chain each
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
+def test_untagged_layernorm_between_tasks_moves_its_output_not_its_residuals(schedule):
+    """An untagged LayerNorm between two tasks: its backward runs with its forward (on
+    the earlier stage), so each microbatch moves the normalized output forward and one
+    cotangent back, not the LayerNorm's intermediates (6 values packed, found by a
+    probe)."""
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    rng = np.random.default_rng(9)
+    ws = [rng.normal(size=(D, D)).astype(np.float32) / 3 for _ in range(4)]
+    scale, bias = np.full(D, 1.1, np.float32), np.full(D, 0.1, np.float32)
+    x = rng.normal(size=(16, D)).astype(np.float32)
+
+    def layer_norm(h, g, b):
+        m = h.mean(-1, keepdims=True)
+        v = ((h - m) ** 2).mean(-1, keepdims=True)
+        return (h - m) * jax.lax.rsqrt(v + 1e-5) * g + b
+
+    def loss(p, x):
+        ws, g, b = p
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"l{i}", stage=i):
+                h = jnp.tanh(h @ w)
+            if i == 1:
+                h = layer_norm(h, g, b)
+        return jnp.mean(h**2)
+
+    step = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1, schedule=schedule)
+    f = mm.jit(step, mesh=mesh)
+    args = ((ws, scale, bias), x)
+    plan = f.lower(*args).plan
+    in_loop = [t for t in plan.transfers if t.shape == (4, D)]
+    # per microbatch: 3 activations forward, 3 cotangents back, each one [4, 8] value
+    assert len(in_loop) == 4 * 6 and all(t.values == 1 for t in in_loop), plan.as_text()
+    assert sum(t.nbytes for t in plan.transfers) == 4 * 6 * 4 * D * 4, plan.as_text()
+    assert_close(f(*args), reference(step, mesh, *args), rtol=2e-5)

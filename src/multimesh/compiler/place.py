@@ -3,10 +3,12 @@
 Tagged equations run on their task's submesh. An untagged equation runs next to its
 data: where its inputs already are, or else on the stage that minimises the bytes that
 must move (inside a microbatch's work: where the value that work made furthest down its
-flow is, then the bytes it made; ties go to the lowest stage). Untagged, effect-free
-equations whose inputs are available everywhere (constants, host inputs) or on several stages are *floating*: they
-are recomputed on each stage that needs them instead of being moved. Program inputs
-committed to a submesh stay there; host inputs are put where they are consumed.
+flow is, then the bytes it made; ties go to the lowest stage; untagged backward work is
+judged as a region, see :func:`_choose_backward_region`). Untagged, effect-free equations
+whose inputs are available everywhere (constants, host inputs) or on several stages are
+*floating*: they are recomputed on each stage that needs them instead of being moved.
+Program inputs committed to a submesh stay there; host inputs are put where they are
+consumed.
 
 A value's location is ``ANY`` (available anywhere) or a frozenset of stages.
 """
@@ -40,6 +42,88 @@ def _cost(moved: list[tuple[int, bool, frozenset]], c: int) -> tuple[int, int, i
     return (sum(b for b, made in away if made), sum(b for b, _m in away), c)
 
 
+def _choose_backward_region(
+    prog: FlatProgram,
+    labels: Labels,
+    i: int,
+    s0: int,
+    loc: dict[Any, Loc],
+    fpos: dict[tuple[Any, int], int],
+    producer: dict[Any, int],
+    consumers: dict[Any, list[int]],
+    bwd: set[Any],
+    prefer: dict[int, int],
+) -> None:
+    """Choose one stage for the untagged backward work that starts at eqn ``i`` (its
+    *region*: the untagged consumers in the same microbatch, transitively).
+
+    Greedily, backward work runs where its cotangent is (``s0``, furthest down the flow),
+    so the forward residuals it needs move there: an untagged LayerNorm between two
+    tasks sends its 6 intermediates forward instead of its output. The region may run
+    instead on a stage that its residuals are on and whose backward comes later (its
+    forward came earlier), when all of the region's consumers that tasks place are on
+    that stage or later in the backward flow; it does when that moves fewer bytes."""
+    mbs = labels.microbatch
+    mb = mbs[i]
+    region: list[int] = []
+    seen = {i}
+    stack = [i]
+    while stack and len(region) < 512:
+        j = stack.pop()
+        region.append(j)
+        e = prog.eqns[j]
+        # its consumers, and the other users of a cotangent it reads (e.g. a LayerNorm's
+        # scale gradient next to its input gradient): one region
+        near = [o for o in e.outvars]
+        near += [a for a in e.invars if not isinstance(a, Literal) and a in bwd]
+        for o in near:
+            for k in consumers.get(o, ()):
+                if k not in seen and k > i and labels.stages[k] is None and mbs[k] == mb:
+                    seen.add(k)
+                    stack.append(k)
+    if stack:
+        return  # too large to judge: keep the greedy choice
+    inside = set(region)
+    here = fpos.get((mb, s0))
+
+    def where(a: Any) -> Loc:
+        j = producer.get(a)
+        if j is None or j < i:
+            return loc.get(a, ANY)
+        return frozenset({labels.stages[j]}) if labels.stages[j] is not None else ANY
+
+    ins: dict[Any, Loc] = {}
+    outs: dict[tuple[Any, int], int] = {}  # (value, consuming stage) -> bytes
+    for j in region:
+        e = prog.eqns[j]
+        for a in e.invars:
+            if not isinstance(a, Literal) and producer.get(a) not in inside:
+                ins[a] = where(a)
+        for o in e.outvars:
+            for k in consumers.get(o, ()):
+                if k not in inside and labels.stages[k] is not None:
+                    outs[(o, labels.stages[k])] = aval_nbytes(o.aval)
+
+    def ok(c: int) -> bool:
+        if c == s0:
+            return True
+        at = fpos.get((mb, c))
+        if here is None or at is None or at >= here:
+            return False  # c's backward does not come after s0's
+        return all(
+            fpos.get((mb, t)) is not None and fpos[(mb, t)] <= at for _o, t in outs if t != c
+        )
+
+    def cost(c: int) -> int:
+        moved = sum(aval_nbytes(a.aval) for a, w in ins.items() if w is not ANY and c not in w)
+        return moved + sum(b for (_o, t), b in outs.items() if t != c)
+
+    cands = {s0}.union(*(w for w in ins.values() if w is not ANY))
+    best = min((c for c in cands if ok(c)), key=lambda c: (cost(c), c != s0, c))
+    for j in region:
+        prefer[j] = best
+
+
 def place(
     prog: FlatProgram,
     labels: Labels,
@@ -64,12 +148,31 @@ def place(
     floating: list[bool] = [False] * n
     mbs = labels.microbatch
     made: dict[Any, int] = {}  # values made by microbatch work -> submesh hops to them
+    bwd: set[Any] = set()  # values made by backward work
+    fpos: dict[tuple[Any, int], int] = {}  # (microbatch, stage) -> its forward's first hop
+    prefer: dict[int, int] = {}  # backward eqn -> the stage chosen for its region
+    # regions only where each submesh is one pipeline stage (interleaved: a submesh's
+    # chunks sit at several points of the flow, and the greedy rule stands)
+    regions = not any(
+        v is not None and v != st for v, st in zip(labels.virtual or (), labels.stages)
+    )
+    consumers: dict[Any, list[int]] = {}
+    producer: dict[Any, int] = {}
+    for i, e in enumerate(prog.eqns):
+        for o in e.outvars:
+            producer[o] = i
+        for a in e.invars:
+            if not isinstance(a, Literal):
+                consumers.setdefault(a, []).append(i)
 
     for i, e in enumerate(prog.eqns):
         ins = list(dict.fromkeys(a for a in e.invars if not isinstance(a, Literal)))
         s = labels.stages[i]
         follow_i = False
         in_mb = bool(mbs) and mbs[i] is not None
+        back = _compat.is_transposed(e.source_info.name_stack) or any(a in bwd for a in ins)
+        if back:
+            bwd.update(e.outvars)
         if s is None:
             locs = [loc[a] for a in ins]
             meet = _meet(locs)
@@ -116,6 +219,12 @@ def place(
                     for c in cands
                 }
                 s = min(cands, key=lambda c: (-down[c] if in_mb else 0, *_cost(moved, c)))
+        if in_mb and back and regions and not floating[i] and labels.stages[i] is None:
+            if i not in prefer:
+                _choose_backward_region(
+                    prog, labels, i, s, loc, fpos, producer, consumers, bwd, prefer
+                )
+            s = prefer.get(i, s)
         if in_mb and not follow_i:
             hops = [
                 made[a] + (0 if floating[i] or loc[a] is ANY or s in loc[a] else 1)
@@ -124,6 +233,9 @@ def place(
             ]
             for o in e.outvars:
                 made[o] = max(hops, default=0)
+            if not back and not floating[i] and e.outvars:
+                key = (mbs[i], s)
+                fpos[key] = min(fpos.get(key, made[e.outvars[0]]), made[e.outvars[0]])
         if floating[i]:
             out_loc = ANY if follow_i else _meet([loc[a] for a in ins])
         else:
@@ -133,10 +245,6 @@ def place(
             loc[o] = out_loc
 
     # --- demand: walk backwards from the outputs --------------------------------------
-    producer: dict[Any, int] = {}
-    for i, e in enumerate(prog.eqns):
-        for o in e.outvars:
-            producer[o] = i
     instances: list[set[int]] = [set() for _ in range(n)]
     needed: dict[Any, set[int]] = {}
     transfers: dict[tuple[Any, int], int] = {}
