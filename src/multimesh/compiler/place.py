@@ -42,6 +42,13 @@ def _cost(moved: list[tuple[int, bool, frozenset]], c: int) -> tuple[int, int, i
     return (sum(b for b, made in away if made), sum(b for b, _m in away), c)
 
 
+def _accumulates(e: Any) -> bool:
+    """A microbatch loop's accumulation (it continues where the previous one ran)."""
+    from multimesh.microbatch import ACCUMULATE_SCOPE
+
+    return ACCUMULATE_SCOPE in _compat.scope_names(e.source_info.name_stack)
+
+
 def _choose_backward_region(
     prog: FlatProgram,
     labels: Labels,
@@ -78,7 +85,13 @@ def _choose_backward_region(
         near += [a for a in e.invars if not isinstance(a, Literal) and a in bwd]
         for o in near:
             for k in consumers.get(o, ()):
-                if k not in seen and k > i and labels.stages[k] is None and mbs[k] == mb:
+                if (
+                    k not in seen
+                    and k > i
+                    and labels.stages[k] is None
+                    and mbs[k] == mb
+                    and not _accumulates(prog.eqns[k])
+                ):
                     seen.add(k)
                     stack.append(k)
     if stack:
@@ -219,7 +232,14 @@ def place(
                     for c in cands
                 }
                 s = min(cands, key=lambda c: (-down[c] if in_mb else 0, *_cost(moved, c)))
-        if in_mb and back and regions and not floating[i] and labels.stages[i] is None:
+        if (
+            in_mb
+            and back
+            and regions
+            and not floating[i]
+            and labels.stages[i] is None
+            and not _accumulates(e)
+        ):
             if i not in prefer:
                 _choose_backward_region(
                     prog, labels, i, s, loc, fpos, producer, consumers, bwd, prefer
