@@ -445,3 +445,39 @@ def test_interleaved_untagged_aux_loss_mixing_two_chunks(pair):
         return mm.microbatch(vg, 4, argnums=1, schedule="interleaved-1f1b", reduce="mean")(ws, x)
 
     assert_close(mm.jit(step, mesh=mesh)(ws, x), reference(step, mesh, ws, x))
+
+
+@pytest.mark.parametrize(
+    "nsub, chunks, M, aux",
+    [(2, 3, 2, (1, 2, 3)), (4, 2, 8, (0, 6))],
+    ids=["2x3-aux-per-layer", "4x2-M8-product"],
+)
+def test_interleaved_untagged_aux_consumed_on_another_submesh(nsub, chunks, M, aux):
+    """Interleaved 1F1B: an untagged aux loss whose gradient is consumed by a chunk on
+    another submesh, which the aux work's own submesh waits for through later steps (found
+    by a helper's fuzzer: "invalid schedule ... deadlock"). The untagged work now runs at
+    a point of its submesh's order that closes no cycle."""
+    n = nsub * chunks
+    rng = np.random.default_rng(10)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 3 for _ in range(n)]
+    x = rng.normal(size=(2 * M, 8)).astype(np.float32)
+    mesh = mm.make_mesh((nsub,), ("stage",), devices=jax.devices()[:nsub])
+
+    def loss(ws, x):
+        h, outs = x, []
+        for i, w in enumerate(ws):
+            with mm.task(f"l{i}", stage=i):
+                h = jnp.tanh(h @ w)
+            outs.append(h)
+        total = jnp.mean(h**2)
+        if len(aux) == 2:
+            return total + 0.1 * jnp.mean(outs[aux[0]] * outs[aux[1]])
+        for a in aux:
+            total = total + 0.01 * jnp.mean(outs[a] ** 2)
+        return total
+
+    def step(ws, x):
+        vg = jax.value_and_grad(loss)
+        return mm.microbatch(vg, M, argnums=1, schedule="interleaved-1f1b", reduce="mean")(ws, x)
+
+    assert_close(mm.jit(step, mesh=mesh)(ws, x), reference(step, mesh, ws, x), rtol=2e-5)

@@ -57,6 +57,7 @@ class _Group:
     alive: bool = True
     actions: list[Action] = dataclasses.field(default_factory=list)
     segment: int = 0
+    order: int = 0  # within its schedule step: -1 first, 1 last, 0 by dependencies
 
 
 class _Revisit(Exception):
@@ -661,8 +662,10 @@ def _fit_untagged(groups, mine, tagged, rows, submesh_of) -> None:
     auxiliary loss's gradient needs only forward values (its seed is a constant), so it is
     backward work with no backward input; given the backward step of its chunk, it would
     run after a later chunk that consumes it (interleaved 1F1B: a deadlock). Such work is
-    moved to the latest step before its first consumer on the submesh (or the earliest
-    after its last producer)."""
+    first moved to the latest step before its first consumer on the submesh (or the
+    earliest after its last producer); if that still closes a cycle through other
+    submeshes (a consumer on another submesh that a step on this one waits for), to the
+    nearest point of its submesh's order that closes none."""
     pos: dict[Action, int] = {}
     for row in rows:
         for a in row:
@@ -681,24 +684,75 @@ def _fit_untagged(groups, mine, tagged, rows, submesh_of) -> None:
                     out.append(pos[gx.actions[0]])
         return out
 
+    # the order as a graph: actions (each submesh's steps in sequence) and untagged groups,
+    # with the data edges between them
+    row_of = {submesh_of[row[0].stage]: row for row in rows if row}
+    index = {a: k for row in rows for k, a in enumerate(row)}
+
+    def node(x: int) -> Any:
+        return groups[x].actions[0] if x in tagged else ("u", x)
+
+    adj: dict[Any, set[Any]] = {}
+    for row in rows:
+        for a, b in zip(row, row[1:]):
+            adj.setdefault(a, set()).add(b)
+    for x in mine:
+        for y in groups[x].succ:
+            if y in mine_set and node(x) != node(y):
+                adj.setdefault(node(x), set()).add(node(y))
+
+    def reaches(starts: list[Any], targets: set[Any]) -> bool:
+        seen: set[Any] = set()
+        stack = list(starts)
+        while stack:
+            n = stack.pop()
+            if n in targets:
+                return True
+            if n in seen:
+                continue
+            seen.add(n)
+            stack.extend(adj.get(n, ()))
+        return False
+
+    def cyclic(gid: int, row: list[Action], t: int) -> bool:
+        """Would running ``gid`` between ``row[t - 1]`` and ``row[t]`` close a cycle?"""
+        starts = [node(y) for y in groups[gid].succ if y in mine_set]
+        if t < len(row):
+            starts.append(row[t])
+        targets = {("u", gid)} | ({row[t - 1]} if t > 0 else set())
+        return reaches(starts, targets)
+
     topo = _topo_positions(groups)
     for gid in sorted((x for x in mine if x not in tagged), key=topo.__getitem__):
         g = groups[gid]
         (act,) = g.actions
-        if act not in pos:
+        row = row_of.get(g.stage)
+        if act not in pos or row is None or act not in index:
             continue
         lo = max(bound(gid, "pred"), default=-1)
         hi = min(bound(gid, "succ"), default=len(pos))
-        if lo > hi:
-            continue  # a real cycle: the dispatcher names it
-        at = min(max(pos[act], lo), hi)
+        at = min(max(pos[act], lo), hi) if lo <= hi else pos[act]
         if at != pos[act]:
-            (a,) = [
+            (act,) = [
                 a
                 for a, p in pos.items()
                 if p == at and submesh_of.get(a.stage) == g.stage and a.microbatch == g.mb[1]
             ]
-            g.actions = [a]
+            g.actions = [act]
+        # in its step, it runs after the step's own work if it needs it, else before
+        k = index[act]
+        t = k + 1 if reaches([act], {("u", gid)}) else k
+        if cyclic(gid, row, t):
+            cands = sorted(range(len(row) + 1), key=lambda u: (abs(u - t), u))
+            t = next((u for u in cands if not cyclic(gid, row, u)), t)
+            if t < len(row):
+                g.actions, g.order = [row[t]], -1  # first in that step
+            else:
+                g.actions, g.order = [row[-1]], 1  # last in the last step
+        if t > 0:
+            adj.setdefault(row[t - 1], set()).add(("u", gid))
+        if t < len(row):
+            adj.setdefault(("u", gid), set()).add(row[t])
 
 
 def _pipeline_order(groups, mine, virt_of, used) -> list[int]:
@@ -765,7 +819,9 @@ def _loop_order(groups, loop_groups, sched_rows, topo):
     for _loop, (_sched, rows, _sub) in sorted(sched_rows.items()):
         for row in rows:
             for a in row:
-                for gid in sorted(by_action.get(a, []), key=topo.__getitem__):
+                for gid in sorted(
+                    by_action.get(a, []), key=lambda x: (groups[x].order, topo[x])
+                ):
                     if gid not in placed and groups[gid].alive:
                         placed.add(gid)
                         out.append(gid)
