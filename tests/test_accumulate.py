@@ -152,3 +152,35 @@ def test_untagged_layernorm_between_tasks_moves_its_output_not_its_residuals(sch
     assert len(in_loop) == 4 * 6 and all(t.values == 1 for t in in_loop), plan.as_text()
     assert sum(t.nbytes for t in plan.transfers) == 4 * 6 * 4 * D * 4, plan.as_text()
     assert_close(f(*args), reference(step, mesh, *args), rtol=2e-5)
+
+
+def test_untagged_shares_on_two_stages_are_accumulated_per_stage():
+    """A weight used only by untagged code that placement puts on two stages (after the
+    first and the third task): its gradient is accumulated on each and moved once (the
+    pass runs again after placement, which knows the untagged shares' stages; found by
+    a probe: the share was sent every microbatch)."""
+    M = 4
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    rng = np.random.default_rng(11)
+    s = (rng.normal(size=(D, D)) / 3).astype(np.float32)
+    w = (rng.normal(size=(4, D, D)) / 3).astype(np.float32)
+    x = rng.normal(size=(4 * M, D)).astype(np.float32)
+
+    def loss(p, x):
+        s, w = p
+        h = x
+        for i in range(4):
+            with mm.task(f"l{i}", stage=i):
+                h = jnp.tanh(h @ w[i])
+            if i in (0, 2):
+                h = jnp.tanh(h @ s)  # untagged: next to its input, on stage 0 then 2
+        return jnp.mean(h**2)
+
+    def step(p, x):
+        return mm.microbatch(jax.value_and_grad(loss), M, argnums=1, reduce="mean")(p, x)
+
+    f = mm.jit(step, mesh=mesh)
+    plan = f.lower((s, w), x).plan
+    moved = [(t.src_stage, t.dst_stage) for t in plan.transfers if t.shape == (D, D)]
+    assert len(moved) == 1, plan.as_text()
+    assert_close(f((s, w), x), reference(step, mesh, (s, w), x), rtol=2e-5)

@@ -27,8 +27,8 @@ from multimesh.arguments import (
     leaf_key,
     placement_text,
 )
+from multimesh.compiler import accumulate, host_inputs, layers, pack, place
 from multimesh.compiler import fragment as frag_pass
-from multimesh.compiler import host_inputs, layers, pack, place
 from multimesh.compiler import plan as plan_pass
 from multimesh.compiler.ir import ANY, FlatProgram, Labels
 from multimesh.runtime import compiling
@@ -156,9 +156,14 @@ class Lowered(_ArgsInfo):
             if any(s is not None for s in labels.stages)
             else 0
         )
-        placement = place.place(
-            prog, labels, [i.loc for i in self.input_infos], default, follow=follow
-        )
+        locs = [i.loc for i in self.input_infos]
+        placement = place.place(prog, labels, locs, default, follow=follow)
+        if traced.loops:
+            # shares of a gradient that untagged code made on different stages
+            prog2, labels2 = accumulate.split_accumulators(prog, labels, placement.instances)
+            if prog2 is not prog:
+                prog, labels = prog2, labels2
+                placement = place.place(prog, labels, locs, default, follow=follow)
         frags = frag_pass.fragment(prog, placement, labels, traced.loops, split_shared=split)
         prog, labels, placement, frags = pack.pack_transfers(prog, labels, placement, frags)
         self._prog, self._labels = prog, labels

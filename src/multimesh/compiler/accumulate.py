@@ -32,8 +32,14 @@ def _is_acc(e: Any) -> bool:
     )
 
 
-def split_accumulators(prog: FlatProgram, labels: Labels) -> tuple[FlatProgram, Labels]:
-    """The program with per-stage accumulators where a microbatch sum mixes stages."""
+def split_accumulators(
+    prog: FlatProgram, labels: Labels, placed: list[list[int]] | None = None
+) -> tuple[FlatProgram, Labels]:
+    """The program with per-stage accumulators where a microbatch sum mixes stages.
+
+    A share's stage is its task's (before placement), or with ``placed`` (each
+    equation's stages, after placement) where it was placed: shares of untagged code
+    placed on different stages."""
     if not labels.microbatch or not any(_is_acc(e) for e in prog.eqns):
         return prog, labels
     eqns = prog.eqns
@@ -67,7 +73,11 @@ def split_accumulators(prog: FlatProgram, labels: Labels) -> tuple[FlatProgram, 
 
     def stage_of(v: Any) -> int | None:
         i = producer.get(v)
-        return None if i is None else labels.stages[i]
+        if i is None:
+            return None
+        if placed is not None:
+            return placed[i][0] if len(placed[i]) == 1 else None
+        return labels.stages[i]
 
     # chains acc_0 -> acc_1 -> ... of accumulator additions
     acc_next: dict[int, int] = {}
