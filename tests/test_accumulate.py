@@ -184,3 +184,28 @@ def test_untagged_shares_on_two_stages_are_accumulated_per_stage():
     moved = [(t.src_stage, t.dst_stage) for t in plan.transfers if t.shape == (D, D)]
     assert len(moved) == 1, plan.as_text()
     assert_close(f((s, w), x), reference(step, mesh, (s, w), x), rtol=2e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
+def test_untagged_product_of_two_stages_keeps_each_gradient_at_home(schedule):
+    """An untagged term mixing two stages' outputs (``a`` from stage 0, ``b`` from stage
+    1): each factor's gradient runs next to its data; it is not pulled onto one stage as
+    a region (found by a probe: a 1 -> 0 -> 1 round trip per microbatch)."""
+    M = 4
+    mesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    rng = np.random.default_rng(12)
+    ws = [(rng.normal(size=(D, D)) / 3).astype(np.float32) for _ in range(2)]
+    x = rng.normal(size=(16, D)).astype(np.float32)
+
+    def loss(ws, x):
+        with mm.task("l0", stage=0):
+            a = jnp.tanh(x @ ws[0])
+        with mm.task("l1", stage=1):
+            b = jnp.tanh(a @ ws[1])
+        return jnp.mean(b**2) + 0.1 * jnp.mean(a * b)
+
+    step = mm.microbatch(jax.value_and_grad(loss), M, argnums=1, schedule=schedule)
+    f = mm.jit(step, mesh=mesh)
+    plan = f.lower(ws, x).plan
+    assert len(plan.transfers) <= 3 * M, plan.as_text()
+    assert_close(f(ws, x), reference(step, mesh, ws, x), rtol=2e-5)

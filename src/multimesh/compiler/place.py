@@ -127,14 +127,19 @@ def _choose_backward_region(
             fpos.get((mb, t)) is not None and fpos[(mb, t)] <= at for _o, t in outs if t != c
         )
 
+    def there(a: Any, c: int, w: Loc) -> bool:
+        # where it is, or where a task uses it anyway (e.g. the next stage's input)
+        return w is ANY or c in w or any(labels.stages[k] == c for k in consumers.get(a, ()))
+
     def cost(c: int) -> int:
-        moved = sum(aval_nbytes(a.aval) for a, w in ins.items() if w is not ANY and c not in w)
+        moved = sum(aval_nbytes(a.aval) for a, w in ins.items() if not there(a, c, w))
         return moved + sum(b for (_o, t), b in outs.items() if t != c)
 
     cands = {s0}.union(*(w for w in ins.values() if w is not ANY))
     best = min((c for c in cands if ok(c)), key=lambda c: (cost(c), c != s0, c))
-    for j in region:
-        prefer[j] = best
+    if best != s0:  # else each equation is placed greedily, next to its data
+        for j in region:
+            prefer[j] = best
 
 
 def place(
@@ -182,6 +187,7 @@ def place(
         ins = list(dict.fromkeys(a for a in e.invars if not isinstance(a, Literal)))
         s = labels.stages[i]
         follow_i = False
+        choice = False
         in_mb = bool(mbs) and mbs[i] is not None
         back = _compat.is_transposed(e.source_info.name_stack) or any(a in bwd for a in ins)
         if back:
@@ -212,6 +218,7 @@ def place(
                 else:
                     s = min(meet)
             else:
+                choice = True
                 cands = sorted(set().union(*[where for where in locs if where is not ANY]))
 
                 # in a microbatch's work, values made by that work count first: moving
@@ -232,18 +239,11 @@ def place(
                     for c in cands
                 }
                 s = min(cands, key=lambda c: (-down[c] if in_mb else 0, *_cost(moved, c)))
-        if (
-            in_mb
-            and back
-            and regions
-            and not floating[i]
-            and labels.stages[i] is None
-            and not _accumulates(e)
-        ):
-            if i not in prefer:
-                _choose_backward_region(
-                    prog, labels, i, s, loc, fpos, producer, consumers, bwd, prefer
-                )
+        if i in prefer:
+            s = prefer[i]  # in a region placed as one
+        elif choice and in_mb and back and regions and not _accumulates(e):
+            # backward work with inputs on two stages: judge its region as a whole
+            _choose_backward_region(prog, labels, i, s, loc, fpos, producer, consumers, bwd, prefer)
             s = prefer.get(i, s)
         if in_mb and not follow_i:
             hops = [
