@@ -56,6 +56,8 @@ def split_accumulators(
     def shares(v: Any, mb: Any) -> tuple[list[Any], list[int]]:
         """The values summed into ``v`` (through single-use ``add_any``s of microbatch
         ``mb``) and the ``add_any`` equations that sum them."""
+        if isinstance(v, Literal):  # (unhashable)
+            return [v], []
         i = producer.get(v)
         if (
             i is None
@@ -72,7 +74,7 @@ def split_accumulators(
         return leaves, nodes
 
     def stage_of(v: Any) -> int | None:
-        i = producer.get(v)
+        i = None if isinstance(v, Literal) else producer.get(v)
         if i is None:
             return None
         if placed is not None:
@@ -82,7 +84,7 @@ def split_accumulators(
     # chains acc_0 -> acc_1 -> ... of accumulator additions
     acc_next: dict[int, int] = {}
     for i, e in enumerate(eqns):
-        if _is_acc(e):
+        if _is_acc(e) and not isinstance(e.invars[0], Literal):
             j = producer.get(e.invars[0])
             if j is not None and _is_acc(eqns[j]) and uses.get(e.invars[0], 0) == 1:
                 acc_next[j] = i
