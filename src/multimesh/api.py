@@ -36,7 +36,7 @@ from multimesh.arguments import (
     spec_axes,
     trace_arg,
 )
-from multimesh.compiler import accumulate, inline, label, layers
+from multimesh.compiler import inline, label, layers
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.rules import Rules
 from multimesh.mesh import MultiMesh, active_multimesh, reset_active, set_active
@@ -192,9 +192,6 @@ class MpmdFunction:
         if mmesh is not None:
             prog = layers.split_scans(prog, rules, mmesh.num_stages, limit)
         labels: Labels = label.label(prog, mmesh, rules, chunks)
-        if mmesh is not None and state.loops:
-            # a gradient shared by several stages is summed over microbatches per stage
-            prog, labels = accumulate.split_accumulators(prog, labels)
         traced = Traced(
             jaxpr=closed,
             in_tree=in_tree,

@@ -159,7 +159,8 @@ class Lowered(_ArgsInfo):
         locs = [i.loc for i in self.input_infos]
         placement = place.place(prog, labels, locs, default, follow=follow)
         if traced.loops:
-            # shares of a gradient that untagged code made on different stages
+            # a gradient with shares made on several stages is summed over microbatches
+            # on each (placement knows where untagged shares run): placed again if so
             prog2, labels2 = accumulate.split_accumulators(prog, labels, placement.instances)
             if prog2 is not prog:
                 prog, labels = prog2, labels2

@@ -26,20 +26,21 @@ from multimesh.microbatch import ACCUMULATE_SCOPE, decode_microbatch
 _compat.register_exclusion(__file__)
 
 
+def in_accumulation(e: Any) -> bool:
+    """Whether ``e`` sums a loop's outputs over microbatches (``mm.microbatch`` marks it)."""
+    return ACCUMULATE_SCOPE in _compat.scope_names(e.source_info.name_stack)
+
+
 def _is_acc(e: Any) -> bool:
-    return e.primitive.name == "add" and ACCUMULATE_SCOPE in _compat.scope_names(
-        e.source_info.name_stack
-    )
+    return e.primitive.name == "add" and in_accumulation(e)
 
 
 def split_accumulators(
-    prog: FlatProgram, labels: Labels, placed: list[list[int]] | None = None
+    prog: FlatProgram, labels: Labels, placed: list[list[int]]
 ) -> tuple[FlatProgram, Labels]:
-    """The program with per-stage accumulators where a microbatch sum mixes stages.
-
-    A share's stage is its task's (before placement), or with ``placed`` (each
-    equation's stages, after placement) where it was placed: shares of untagged code
-    placed on different stages."""
+    """The program with per-stage accumulators where a microbatch sum mixes stages
+    (``prog`` itself if none does). A share's stage is where placement put the equation
+    that made it (``placed``: each equation's stages; recomputed values have none)."""
     if not labels.microbatch or not any(_is_acc(e) for e in prog.eqns):
         return prog, labels
     eqns = prog.eqns
@@ -75,11 +76,7 @@ def split_accumulators(
 
     def stage_of(v: Any) -> int | None:
         i = None if isinstance(v, Literal) else producer.get(v)
-        if i is None:
-            return None
-        if placed is not None:
-            return placed[i][0] if len(placed[i]) == 1 else None
-        return labels.stages[i]
+        return None if i is None or len(placed[i]) != 1 else placed[i][0]
 
     # chains acc_0 -> acc_1 -> ... of accumulator additions
     acc_next: dict[int, int] = {}

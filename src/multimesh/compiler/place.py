@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from multimesh import _compat
+from multimesh.compiler.accumulate import in_accumulation
 from multimesh.compiler.ir import ANY, FlatProgram, Labels, Literal, Placement, aval_nbytes
 
 _compat.register_exclusion(__file__)
@@ -40,13 +41,6 @@ def _cost(moved: list[tuple[int, bool, frozenset]], c: int) -> tuple[int, int, i
     ``c``) for inputs (bytes, made by the microbatch, where)."""
     away = [(b, made) for b, made, where in moved if c not in where]
     return (sum(b for b, made in away if made), sum(b for b, _m in away), c)
-
-
-def _accumulates(e: Any) -> bool:
-    """A microbatch loop's accumulation (it continues where the previous one ran)."""
-    from multimesh.microbatch import ACCUMULATE_SCOPE
-
-    return ACCUMULATE_SCOPE in _compat.scope_names(e.source_info.name_stack)
 
 
 def _choose_backward_region(
@@ -90,7 +84,7 @@ def _choose_backward_region(
                     and k > i
                     and labels.stages[k] is None
                     and mbs[k] == mb
-                    and not _accumulates(prog.eqns[k])
+                    and not in_accumulation(prog.eqns[k])
                 ):
                     seen.add(k)
                     stack.append(k)
@@ -241,7 +235,7 @@ def place(
                 s = min(cands, key=lambda c: (-down[c] if in_mb else 0, *_cost(moved, c)))
         if i in prefer:
             s = prefer[i]  # in a region placed as one
-        elif choice and in_mb and back and regions and not _accumulates(e):
+        elif choice and in_mb and back and regions and not in_accumulation(e):
             # backward work with inputs on two stages: judge its region as a whole
             _choose_backward_region(prog, labels, i, s, loc, fpos, producer, consumers, bwd, prefer)
             s = prefer.get(i, s)

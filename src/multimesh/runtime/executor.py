@@ -402,13 +402,11 @@ class Executable:
             ids = [plan.outputs[i][1][0] for i in idxs]
             shs = [slot_sh[i] for i in ids]
             same = all(isinstance(x, NamedSharding) and x.spec == shs[0].spec for x in shs)
-            # piece j belongs on stage j: one made elsewhere moves there
+            # piece j belongs on stage j in the pieces' layout: others are moved there
             fix = [
-                NamedSharding(targets[j].mesh, shs[0].spec if same else PartitionSpec())
-                if slot_stage[i] != j
-                else None
-                if same
-                else NamedSharding(targets[j].mesh, PartitionSpec())
+                None
+                if same and slot_stage[i] == j
+                else NamedSharding(targets[j].mesh, shs[0].spec if same else PartitionSpec())
                 for j, i in enumerate(ids)
             ]
             piece_sh = shs[0] if same else fix[0]
