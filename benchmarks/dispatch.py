@@ -271,7 +271,9 @@ def bench_primitives(steps: int, repeats: int) -> dict[str, Any]:
 
     The chains show the latency of a dependency between devices: a chain of 8 calls on
     one device against 8 calls on 8 devices with a copy between each (a pipeline's
-    forward pass with tiny stages)."""
+    forward pass with tiny stages). The ``_dot`` chains run a small matmul per call: jax
+    0.12's CPU client runs such a program on a worker thread (an ``a + 1`` runs inline on
+    the caller), so they show what a hand-off between the host and a device costs."""
     d0, d1 = jax.devices()[:2]
     x = jax.device_put(np.ones((8, 64), np.float32), d0)
     f = jax.jit(lambda a: a + 1.0)
@@ -312,6 +314,18 @@ def bench_primitives(steps: int, repeats: int) -> dict[str, Any]:
 
         return run
 
+    g = jax.jit(lambda a, w: jnp.tanh(a @ w) + a)
+    ws = [jax.device_put(np.eye(64, dtype=np.float32) * 0.1, sh) for sh in shs]
+
+    def chain_across_dot(copy: Callable[[Any, Any], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            y = g(x, ws[0])
+            for sh, w in zip(shs[1:], ws[1:]):
+                y = g(copy(y, sh), w)
+            return y
+
+        return run
+
     aot = f.lower(x).compile()  # what mm.jit's executor calls per fragment
     aot(x).block_until_ready()
     cases: list[tuple[str, Callable[[], Any]]] = [
@@ -320,6 +334,7 @@ def bench_primitives(steps: int, repeats: int) -> dict[str, Any]:
         ("jit_chain_8_calls_8x64", chain),
         ("device_put_to_other_device_8x64", lambda: jax.device_put(x, sh1)),
         ("chain_8_calls_8_devices_device_put", chain_across(jax.device_put)),
+        ("chain_8_dot_calls_8_devices_device_put", chain_across_dot(jax.device_put)),
     ]
     try:  # the executor's copy path for cross-submesh transfers (internal; may move)
         from multimesh._compat import same_layout_copy
@@ -330,6 +345,12 @@ def bench_primitives(steps: int, repeats: int) -> dict[str, Any]:
             (
                 "chain_8_calls_8_devices_mm_copy",
                 chain_across(lambda y, sh: same_layout_copy([y], [sh])[0]),
+            )
+        )
+        cases.append(
+            (
+                "chain_8_dot_calls_8_devices_mm_copy",
+                chain_across_dot(lambda y, sh: same_layout_copy([y], [sh])[0]),
             )
         )
     except (ImportError, AttributeError, TypeError, ValueError):

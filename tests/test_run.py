@@ -153,6 +153,10 @@ def test_console_script_and_module(tmp_path):
     for cmd in ([str(exe), "--help"], [sys.executable, "-m", "multimesh.run", "--help"]):
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
         assert proc.returncode == 0 and "--compare-spmd" in proc.stdout
+        # each default said once, never "(default: None)"
+        text = " ".join(proc.stdout.split())
+        assert "(default: None)" not in text and "(default: 1e-05)" in text, text
+        assert "(default: 1f1b, or interleaved-1f1b when --interleave > 1)" in text, text
 
 
 @pytest.mark.multiprocess

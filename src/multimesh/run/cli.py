@@ -19,6 +19,17 @@ from collections.abc import Sequence
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1")
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" unless the help already says its default, X is None or the
+    flag takes no value."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.nargs == 0:
+            return text
+        return super()._get_help_string(action)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="multimesh-run",
@@ -26,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
         "data (--dp) x FSDP (--fsdp) parallelism. --model gpt (default) trains MultiMesh's "
         "own GPT on synthetic tokens; --model maxtext trains unmodified MaxText through its "
         "own train loop.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Formatter,
     )
     par = p.add_argument_group("parallelism (pp * tp * dp * fsdp = number of devices)")
     par.add_argument("--pp", type=int, default=None, help="pipeline stages (submeshes)")
