@@ -92,6 +92,9 @@ def test_every_layout_and_schedule(layout, schedule, tmp_path):
             ["--pp", "4", "--dp", "2", "--tp", "1", "--model-dims", "30"],
             "--model-dims 30 is not divisible by --num-heads 4",
         ),
+        (["--pp", "0"], "argument --pp: must be a positive integer, got 0"),
+        (["--microbatch-size", "0"], "argument --microbatch-size: must be a positive integer"),
+        (["--num-steps", "-1"], "argument --num-steps: must be a positive integer, got -1"),
     ],
 )
 def test_flag_errors(args, message, capsys):

@@ -19,6 +19,17 @@ from collections.abc import Sequence
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1")
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" unless the help already says its default, X is None or the
     flag takes no value."""
@@ -40,12 +51,17 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
     )
     par = p.add_argument_group("parallelism (pp * tp * dp * fsdp = number of devices)")
-    par.add_argument("--pp", type=int, default=None, help="pipeline stages (submeshes)")
-    par.add_argument("--tp", type=int, default=1, help="tensor parallelism inside a stage")
-    par.add_argument("--dp", type=int, default=None, help="data parallelism inside a stage")
-    par.add_argument("--fsdp", type=int, default=1, help="FSDP (sharded params) inside a stage")
+    par.add_argument("--pp", type=_positive, default=None, help="pipeline stages (submeshes)")
+    par.add_argument("--tp", type=_positive, default=1, help="tensor parallelism inside a stage")
+    par.add_argument("--dp", type=_positive, default=None, help="data parallelism inside a stage")
     par.add_argument(
-        "--interleave", type=int, default=1, help="virtual stages per submesh (interleaved 1F1B)"
+        "--fsdp", type=_positive, default=1, help="FSDP (sharded params) inside a stage"
+    )
+    par.add_argument(
+        "--interleave",
+        type=_positive,
+        default=1,
+        help="virtual stages per submesh (interleaved 1F1B)",
     )
     par.add_argument(
         "--schedule",
@@ -54,13 +70,15 @@ def parser() -> argparse.ArgumentParser:
         help="pipeline schedule (default: 1f1b, or interleaved-1f1b when --interleave > 1)",
     )
     mb = par.add_mutually_exclusive_group()
-    mb.add_argument("--num-microbatches", type=int, default=None, help="microbatches per step")
-    mb.add_argument("--microbatch-size", type=int, default=None, help="rows per microbatch")
+    mb.add_argument(
+        "--num-microbatches", type=_positive, default=None, help="microbatches per step"
+    )
+    mb.add_argument("--microbatch-size", type=_positive, default=None, help="rows per microbatch")
     hw = p.add_argument_group("hardware")
     hw.add_argument("--backend", choices=("cpu", "gpu"), default="cpu", help="JAX backend")
     hw.add_argument(
         "--cpus",
-        type=int,
+        type=_positive,
         default=None,
         help="virtual CPU devices (--backend cpu; default: pp*tp*dp*fsdp, or 8)",
     )
@@ -70,12 +88,14 @@ def parser() -> argparse.ArgumentParser:
         "--model-name", default=None, help="a MaxText model config, e.g. llama2-7b (maxtext)"
     )
     m.add_argument(
-        "--num-layers", type=int, default=None, help="decoder layers (default: pp*interleave)"
+        "--num-layers", type=_positive, default=None, help="decoder layers (default: pp*interleave)"
     )
-    m.add_argument("--model-dims", type=int, default=64, help="embedding width")
-    m.add_argument("--num-heads", type=int, default=4, help="attention heads")
-    m.add_argument("--mlp-dims", type=int, default=None, help="MLP width (default 4 x model dims)")
-    m.add_argument("--vocab-size", type=int, default=256, help="vocabulary size")
+    m.add_argument("--model-dims", type=_positive, default=64, help="embedding width")
+    m.add_argument("--num-heads", type=_positive, default=4, help="attention heads")
+    m.add_argument(
+        "--mlp-dims", type=_positive, default=None, help="MLP width (default 4 x model dims)"
+    )
+    m.add_argument("--vocab-size", type=_positive, default=256, help="vocabulary size")
     m.add_argument("--remat", action="store_true", help="recompute each layer in the backward")
     m.add_argument(
         "--tied-embeddings",
@@ -91,9 +111,9 @@ def parser() -> argparse.ArgumentParser:
         help="an extra MaxText config setting, e.g. dtype=float32 (repeatable; maxtext)",
     )
     t = p.add_argument_group("training")
-    t.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
-    t.add_argument("--sequence-length", type=int, default=32, help="tokens per sequence")
-    t.add_argument("--num-steps", type=int, default=10, help="training steps")
+    t.add_argument("--batch-size", type=_positive, default=16, help="global batch (sequences)")
+    t.add_argument("--sequence-length", type=_positive, default=32, help="tokens per sequence")
+    t.add_argument("--num-steps", type=_positive, default=10, help="training steps")
     t.add_argument("--learning-rate", type=float, default=3e-3, help="AdamW learning rate")
     t.add_argument("--seed", type=int, default=0, help="random seed (init and data)")
     c = p.add_argument_group("checkpoints (Orbax, asynchronous; see mm.checkpoint)")
@@ -106,14 +126,18 @@ def parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=_positive,
         default=None,
         metavar="N",
         help="save every N steps (default: only after the last step; MaxText: its "
         "checkpoint_period); needs --checkpoint-dir",
     )
     c.add_argument(
-        "--max-to-keep", type=int, default=None, metavar="K", help="keep the K latest checkpoints"
+        "--max-to-keep",
+        type=_positive,
+        default=None,
+        metavar="K",
+        help="keep the K latest checkpoints",
     )
     c.add_argument(
         "--resume",
