@@ -267,6 +267,25 @@ def single_device_arrays(x: jax.Array) -> list[jax.Array]:
     return [s.data for s in x.addressable_shards]
 
 
+def same_layout_as(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
+    """Whether ``x``'s buffers, in order, are ``sharding``'s layout of ``x`` (so an array
+    of them with that sharding needs no copy): same devices in the same order, equivalent
+    layout, all addressable here."""
+    try:
+        have = x.sharding
+        return (
+            isinstance(x, jax.Array)
+            and not isinstance(x, jax.core.Tracer)
+            and have.is_fully_addressable
+            and sharding.is_fully_addressable
+            and device_assignment_ids(have) == device_assignment_ids(sharding)
+            and addressable_device_ids(have) == addressable_device_ids(sharding)
+            and have.is_equivalent_to(sharding, x.ndim)
+        )
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def arg_info(aval: Any, donated: bool) -> Any:
     """``jax.stages.ArgInfo`` for one argument."""
     return jax.stages.ArgInfo(aval, donated)

@@ -549,13 +549,26 @@ class Executable:
                 fn = splitters[a] = jax.jit(lambda x: tuple(c(x) for c in cuts))
             return fn(v)
 
+        #: (argument, its sharding) -> whether it is its home's layout on the same
+        #: devices (an uncommitted array, or a SingleDeviceSharding for a one-device
+        #: submesh): then it is re-wrapped with the home sharding, not put (no copy)
+        same: dict[tuple[int, Any], bool] = {}
+
         def run_inputs(env: list[Any], args: Sequence[Any]) -> None:
             ids: list[int] = []
             vals: list[Any] = []
             shs: list[Any] = []
             for a, home, direct, extracts, tgts, aval in leaves_t:
                 x = args[a]
-                if home is not None and getattr(x, "sharding", None) == home:
+                sh = getattr(x, "sharding", None)
+                if home is not None and sh is not None and sh != home:
+                    ok = same.get((a, sh))
+                    if ok is None:
+                        ok = same[(a, sh)] = _compat.same_layout_as(x, home)
+                    if ok:
+                        x = make(x.shape, home, pieces_of(x))
+                        sh = home
+                if home is not None and sh == home:
                     for sid in direct:
                         env[sid] = x
                     if extracts:
