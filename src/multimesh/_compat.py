@@ -267,6 +267,12 @@ def single_device_arrays(x: jax.Array) -> list[jax.Array]:
     return [s.data for s in x.addressable_shards]
 
 
+try:  # the concrete jax.Array class (a C++ type): an exact type check is cheap
+    from jax._src.array import ArrayImpl as ARRAY_TYPE
+except ImportError:  # pragma: no cover - another jax: no fast path
+    ARRAY_TYPE = type(None)
+
+
 def same_layout_as(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
     """Whether ``x``'s buffers, in order, are ``sharding``'s layout of ``x`` (so an array
     of them with that sharding needs no copy): same devices in the same order, equivalent

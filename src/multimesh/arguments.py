@@ -23,6 +23,8 @@ from multimesh import _compat
 
 _compat.register_exclusion(__file__)
 
+_ARRAY = _compat.ARRAY_TYPE
+
 _SPEC_TYPES = (Sharding, PartitionSpec)
 
 
@@ -175,6 +177,11 @@ def _aval_of(x: Any) -> Any:
 def leaf_key(x: Any) -> tuple[Any, ...]:
     """The cache-key part of one flat argument: (shape, dtype, weak type, committed
     sharding or None). Traced values and deleted (donated) arrays are errors."""
+    if type(x) is _ARRAY:  # the common case, without the isinstance checks below
+        if x.is_deleted():
+            raise DeletedArgument()
+        aval = x.aval
+        return (aval.shape, aval.dtype, bool(aval.weak_type), x.sharding if x._committed else None)
     if isinstance(x, jax.Array):
         if isinstance(x, jax.core.Tracer):
             raise _traced_error()
