@@ -102,13 +102,15 @@ def output_fn(
     reshard = [(i, req.per_stage.get(slot_stage[i])) for i in ids]
     reshard = [(i, d if d is not None and d != slot_sh[i] else None) for i, d in reshard]
     fresh = [i not in borrowed for i in ids]
+    # slots whose values are all on this process's devices (every slot, in one process)
+    local = [bool(getattr(slot_sh[i], "is_fully_addressable", False)) for i in ids]
 
     def value(env: list[Any], k: int) -> jax.Array:
         i, dst = reshard[k]
         x = env[i]
         if x is None:  # lives on another process
             return _remote(shape, dst if dst is not None else slot_sh[i], dtype)
-        if not x.is_fully_addressable:
+        if not local[k] and not x.is_fully_addressable:
             return x if dst is None else jax.device_put(x, dst)
         if dst is not None:
             y = jax.device_put(x, dst)
