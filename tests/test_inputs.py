@@ -139,6 +139,25 @@ def test_donate_argnums(mesh4x2):
     np.testing.assert_allclose(float(s), 14.4, rtol=1e-6)
 
 
+def test_a_donated_array_passed_twice_is_an_error(mesh4x2):
+    """``f(a, a)`` donating the first: a clear error naming both, as jax.jit's
+    INVALID_ARGUMENT (was a segmentation fault; found by a probe)."""
+
+    def f(a, b):
+        with mm.task("a", stage=0):
+            return a * 2 + b
+
+    a = jnp.ones((4, 8))
+    for donate in (0, (0, 1)):
+        g = mm.jit(f, mesh=mesh4x2, donate_argnums=donate)
+        with pytest.raises(ValueError, match="argument a is donated .* also passed as b"):
+            g(a, a)
+        with pytest.raises(ValueError, match="also passed as b"):
+            g.lower(a, a).compile()(a, a)
+        assert not a.is_deleted()
+    np.testing.assert_allclose(g(a, jnp.ones((4, 8))), 3.0)  # distinct arrays: fine
+
+
 def test_passthrough_and_literal_outputs(mesh4x2):
     def f(x, y):
         with mm.task("a", stage=1):

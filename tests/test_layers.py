@@ -103,6 +103,36 @@ def test_scanned_layers_with_microbatches_and_adam(schedule, mesh4x2):
     assert_stage_sharded(ms[1][0].mu, mesh4x2)  # optimizer state too
 
 
+def test_stacked_weights_also_used_whole_fed_back(mesh4x2):
+    """An L2 penalty on the stacked weights outside the scan: the updated weights come
+    back sharded over the stage axis, and the next call uses each stage's rows in place
+    and the whole array on the penalty's submesh (it was assembled from rows as if they
+    were replicas; found by a probe)."""
+    x = jax.random.normal(jax.random.key(9), (8, D))
+    w = jax.random.normal(jax.random.key(1), (L, D, D)) / 4
+
+    def loss(w, x):
+        def body(h, wl):
+            with mm.task("layers", stage=mm.by_layer()):
+                return jnp.tanh(h @ wl), None
+
+        h, _ = jax.lax.scan(body, x, w)
+        return jnp.sum(h**2) + 1e-3 * jnp.sum(w**2)
+
+    def step(w, x):
+        v, g = jax.value_and_grad(loss)(w, x)
+        return w - 0.1 * g, v
+
+    f = mm.jit(step, mesh=mesh4x2)
+    got, want = w, w
+    for _ in range(3):
+        got, v = f(got, x)
+        want, v_ref = reference(step, mesh4x2, want, x)
+        assert got.sharding.spec == P("stage")
+        assert_close(v, v_ref)
+        assert_close(got, want)
+
+
 def test_uneven_layers_per_stage(mesh4x2):
     ws, x, y = data()
     sizes = [3, 1, 2, 2]

@@ -303,6 +303,8 @@ class MpmdFunction:
         :meth:`Compiled.record`). Compiles first if needed; compilation is not part of
         the timeline."""
         compiled, flat = self._compiled_for(args, kwargs)
+        if compiled._donated:
+            compiled._check_donated_once(flat)
         outs, tl = compiled._exe.record(flat)
         return jax.tree_util.tree_unflatten(compiled.out_tree, outs), tl
 

@@ -372,7 +372,28 @@ class Compiled(_ArgsInfo):
         return self.call_flat(flat)
 
     def call_flat(self, flat: Sequence[Any]) -> Any:
+        if self._donated:
+            self._check_donated_once(flat)
         return jax.tree_util.tree_unflatten(self.out_tree, self._exe(flat))
+
+    def _check_donated_once(self, flat: Sequence[Any]) -> None:
+        """A donated array passed again as another argument (``f(a, a)`` with the first
+        donated) is an error, as under jax.jit (the runtime would crash on it)."""
+        ids = [id(x) for x in flat]
+        if len(set(ids)) == len(ids):
+            return
+        for i in sorted(self._donated):
+            if not isinstance(flat[i], jax.Array):
+                continue
+            j = next((j for j, k in enumerate(ids) if k == ids[i] and j != i), None)
+            if j is not None:
+                names = self._arg_names()
+                raise ValueError(
+                    f"argument {names[i]} is donated (donate_argnums/donate_argnames) and the "
+                    f"same array is also passed as {names[j]}: a donated buffer cannot be "
+                    "used twice in one call (jax.jit raises INVALID_ARGUMENT here). Pass a "
+                    "copy (jnp.copy) for one of them, or do not donate it."
+                )
 
     def record(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Run once and return ``(outputs, timeline)``: a measured
@@ -380,6 +401,8 @@ class Compiled(_ArgsInfo):
         bytes and microbatches per submesh), plottable and exportable as a Chrome trace.
         Takes the same arguments as calling this object."""
         flat, _ = jax.tree_util.tree_flatten((args, kwargs))
+        if self._donated:
+            self._check_donated_once(flat)
         outs, tl = self._exe.record(flat)
         return jax.tree_util.tree_unflatten(self.out_tree, outs), tl
 
@@ -568,4 +591,3 @@ def _piece_info(p: Any) -> InputInfo:
     if isinstance(p, host_inputs.HostConst):
         return InputInfo(ANY, "host_const")
     return InputInfo(frozenset({p.stage}), "piece")  # layers.InputPiece
-

@@ -315,7 +315,9 @@ class Executable:
                         )
                         return (_CALL, run, (), (), ()), dst_sh
 
-                    if any(isinstance(dict.get(slot_sh, it[0]), compiling.Pending) for it in st.items):
+                    if any(
+                        isinstance(dict.get(slot_sh, it[0]), compiling.Pending) for it in st.items
+                    ):
                         # its sources' shardings are pending compiles: a job, like them
                         later = jobs.submit(cross)
                         for _src, dst, *_x in st.items:
@@ -518,18 +520,23 @@ class Executable:
             home = home_of(a, [sh for _sid, sh, _c, _s in tgts])
             direct: list[int] = []
             extracts: list[tuple[int, Any, tuple[int, ...], tuple[int, ...]]] = []
+            # whole values whose layout is not a part of home's (a stage-sharded argument
+            # also used whole on a submesh): put from it, resharded by jax
+            puts: list[tuple[int, Any]] = []
             if home is not None:
                 home_ids = _compat.addressable_device_ids(home)
                 for sid, sh, cut, shape in tgts:
                     if sh == home and cut is None:
                         direct.append(sid)
+                    elif cut is None and not _same_pieces(home, sh, shape):
+                        puts.append((sid, sh))
                     else:
                         pos = tuple(home_ids.index(d) for d in _compat.addressable_device_ids(sh))
                         extracts.append((sid, sh, pos, shape))
-            if a in donated and len(tgts) == 1 and not extracts:
+            if a in donated and len(tgts) == 1 and not extracts and not puts:
                 donatable.add(tgts[0][0])
             aval = slot_var[tgts[0][0]].aval
-            leaves.append((a, home, tuple(direct), tuple(extracts), tuple(tgts), aval))
+            leaves.append((a, home, tuple(direct), tuple(extracts), tuple(puts), tuple(tgts), aval))
         leaves_t = tuple(leaves)
         spans = self._loc is not None and any(
             not sh.is_fully_addressable for *_x, tgts, _a in leaves for _s, sh, _c, _p in tgts
@@ -558,7 +565,7 @@ class Executable:
             ids: list[int] = []
             vals: list[Any] = []
             shs: list[Any] = []
-            for a, home, direct, extracts, tgts, aval in leaves_t:
+            for a, home, direct, extracts, puts, tgts, aval in leaves_t:
                 x = args[a]
                 sh = getattr(x, "sharding", None)
                 if home is not None and sh is not None and sh != home:
@@ -575,6 +582,10 @@ class Executable:
                         parts = pieces_of(x)
                         for sid, sh, pos, shape in extracts:
                             env[sid] = make(shape, sh, [parts[p] for p in pos])
+                    for sid, sh in puts:
+                        ids.append(sid)
+                        vals.append(x)
+                        shs.append(sh)
                     continue
                 v = _as_array(x, aval)
                 if spans and isinstance(v, jax.Array) and v.is_fully_addressable:
@@ -706,6 +717,23 @@ class Executable:
             for i in free:
                 env[i] = None
         return self.finish(env)
+
+
+def _same_pieces(home: Any, sh: Any, shape: tuple[int, ...]) -> bool:
+    """Whether every device of ``sh`` holds the same part of a ``shape`` value under
+    ``home`` (so ``sh``'s array is made of ``home``'s buffers, without copying)."""
+    try:
+        have = home.devices_indices_map(shape)
+        want = sh.devices_indices_map(shape)
+    except (TypeError, ValueError):
+        return False
+    return all(d in have and _norm(have[d], shape) == _norm(i, shape) for d, i in want.items())
+
+
+def _norm(index: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    return tuple(
+        s.indices(n) if isinstance(s, slice) else (s, s + 1, 1) for s, n in zip(index, shape)
+    )
 
 
 def _local_processes() -> int:
