@@ -31,6 +31,66 @@ def test_static_argnums_and_argnames(mesh4x2):
     np.testing.assert_allclose(g(x, 2, mode="sub"), np.arange(4.0) * 2 - 1)
 
 
+def test_static_values_equal_but_of_other_types_retrace(mesh4x2):
+    """1, 1.0 and True are equal static values of different types: each its own trace,
+    as under jax.jit (they shared the first one's program; found by a probe)."""
+
+    def f(x, n):
+        with mm.task("a", stage=0):
+            return x * n, jnp.asarray(n), isinstance(n, float) * jnp.ones(())
+
+    g = mm.jit(f, mesh=mesh4x2, static_argnums=1)
+    x = jnp.ones(4)
+    for n, dtype, is_float in [(1, jnp.int32, 0.0), (1.0, jnp.float32, 1.0), (True, jnp.bool_, 0.0)]:
+        _y, a, flag = g(x, n)
+        assert a.dtype == dtype and float(flag) == is_float, n
+        assert g.eval_shape(x, n)[1].dtype == dtype
+
+
+def test_python_scalars_returned_stay_weakly_typed(mesh4x2):
+    def f(x, s, i):
+        with mm.task("a", stage=0):
+            h = x * s + i
+        return h, s, i
+
+    out = mm.jit(f, mesh=mesh4x2)(jnp.ones(4), 2.5, 3)
+    want = reference(f, mesh4x2, jnp.ones(4), 2.5, 3)
+    for o, w in zip(out[1:], want[1:]):
+        assert (o.shape, o.dtype, o.aval.weak_type) == (w.shape, w.dtype, True), (o.aval, w.aval)
+    assert (out[1] * jnp.ones(2, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
+def test_eval_shape_with_static_arguments_and_as_a_method(mesh4x2):
+    from functools import partial
+
+    def f(x, n, *, kind):
+        with mm.task("a", stage=0):
+            return jnp.zeros((n,)) + x.sum() if kind == "vec" else x * n
+
+    g = mm.jit(f, mesh=mesh4x2, static_argnums=1, static_argnames="kind")
+    assert g.eval_shape(jnp.ones((4, 8)), 3, kind="vec").shape == (3,)
+    assert g.eval_shape(jnp.ones((4, 8)), 3, kind="mat").shape == (4, 8)
+
+    class Model:
+        def __init__(self, k):
+            self.k = k
+
+        def __hash__(self):
+            return hash(self.k)
+
+        def __eq__(self, other):
+            return isinstance(other, Model) and other.k == self.k
+
+        @partial(mm.jit, mesh=mesh4x2, static_argnums=0)
+        def apply(self, x):
+            with mm.task("a", stage=0):
+                return x * self.k
+
+    np.testing.assert_allclose(Model(3.0).apply(jnp.ones(4)), 3.0)
+    np.testing.assert_allclose(Model(5.0).apply(jnp.ones(4)), 5.0)
+    assert isinstance(Model.__dict__["apply"], type(g))
+
+
 def test_pytrees_scalars_and_dtypes(mesh4x2):
     def f(tree, s, i):
         with mm.task("a", stage=0):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import types
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -309,8 +310,22 @@ class MpmdFunction:
         return jax.tree_util.tree_unflatten(compiled.out_tree, outs), tl
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
-        """The outputs' shapes and dtypes (tasks are transparent: no compilation)."""
-        return jax.eval_shape(self.fun, *args, **kwargs)
+        """The outputs' shapes and dtypes (tasks are transparent: no compilation). Static
+        arguments are passed as they are, as by ``jax.jit(...).eval_shape``."""
+        call = self._signature.normalize(args, kwargs)
+
+        def dynamic(dargs: tuple[Any, ...], dkw: dict[str, Any]) -> Any:
+            full, kw = call.rebuild(dargs, dkw)
+            return self.fun(*full, **kw)
+
+        return jax.eval_shape(dynamic, call.dyn_args, call.dyn_kwargs)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """As a method (``@partial(mm.jit, static_argnums=0)`` on a class): bound to the
+        instance, like a ``jax.jit`` function."""
+        if obj is None:
+            return self
+        return types.MethodType(self, obj)
 
 
 def _abstract(key: Hashable) -> Hashable:

@@ -106,7 +106,12 @@ class Signature:
         positions = tuple(i for i in range(nargs) if i not in static_pos)
         dyn_args = tuple(args[i] for i in positions)
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_names}
-        static_key = (statics, skw, nargs)
+        # values and their types, as jax.jit: 1, 1.0 and True are equal, not the same
+        static_key = (
+            tuple((i, type(v), v) for i, v in statics),
+            tuple((k, type(v), v) for k, v in skw),
+            nargs,
+        )
         try:
             hash(static_key)
         except TypeError:

@@ -831,4 +831,6 @@ def _is_key(aval: Any) -> bool:
 def _as_array(x: Any, aval: Any) -> Any:
     if isinstance(x, jax.Array):
         return x
+    if type(x) in (bool, int, float, complex) and getattr(aval, "weak_type", False):
+        return x  # put as is: weakly typed, as jax.jit makes a Python scalar
     return np.asarray(x, dtype=aval.dtype) if not _is_key(aval) else x
