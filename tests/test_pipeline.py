@@ -331,6 +331,32 @@ def test_microbatch_negative_axis(mesh4x2):
     assert_close(mm.jit(g, mesh=mesh4x2)(w, x), want, rtol=1e-5)
 
 
+def test_microbatch_python_scalar_and_weak_outputs(mesh4x2):
+    """A Python float among the outputs sums in the reference too (it failed there), and
+    with one microbatch a weakly typed output is strongly typed on both paths, as a sum
+    into zeros (found by a probe)."""
+    w = jnp.ones((8, 8)) / 8
+    xb = jnp.ones((8, 8))
+
+    def f(w, xb):
+        with mm.task("a", stage=0):
+            return jnp.sum(xb @ w), 1.0
+
+    g = mm.microbatch(f, 2, argnums=1)
+    want = (jnp.float32(64.0), jnp.float32(2.0))
+    for got in (g(w, xb), jax.jit(g)(w, xb), mm.jit(g, mesh=mesh4x2)(w, xb)):
+        assert_close(got, want)
+
+    def h(w, xb, s):
+        with mm.task("a", stage=0):
+            return jnp.sum(xb @ w), s * 2
+
+    g1 = mm.microbatch(h, 1, argnums=1)
+    got, ref = mm.jit(g1, mesh=mesh4x2)(w, xb, 0.5), jax.jit(g1)(w, xb, 0.5)
+    assert_close(got, ref)
+    assert [o.aval.weak_type for o in got] == [o.aval.weak_type for o in ref] == [False, False]
+
+
 def test_custom_order_validated_like_mm_jit():
     # B1 before B0 on a stage: gradients accumulate in microbatch order under mm.jit
     bad = [

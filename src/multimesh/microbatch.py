@@ -197,8 +197,8 @@ def microbatch(
                         if red is None:
                             red = _reduce_tree(reduce, out)
                         summed = jax.tree.map(lambda r, o: None if r == "stack" else o, red, out)
-                    if M == 1:
-                        acc = summed
+                    if M == 1:  # strongly typed, as a sum into zeros (the reference)
+                        acc = jax.tree.map(_strong, summed)
                     else:
                         if acc is None:
                             # start from zeros made outside the loop (as the reference
@@ -257,6 +257,12 @@ def _add(a: Any, b: Any) -> Any:
     return None if a is None else jnp.add(a, b)
 
 
+def _strong(x: Any) -> Any:
+    if x is None or jax.dtypes.issubdtype(jnp.asarray(x).dtype, jax.dtypes.extended):
+        return x
+    return jnp.asarray(x).astype(jnp.result_type(x))
+
+
 def _zeros(x: Any) -> Any:
     if x is None:
         return None
@@ -284,7 +290,9 @@ def _scan_reference(call, M, piece, reduce):
     def body(carry: Any, k: Any) -> tuple[Any, Any]:
         out, aux = call(piece(k))
         new = jax.tree.map(
-            lambda r, c, o: None if r == "stack" or o is None else c + o.astype(c.dtype),
+            lambda r, c, o: (
+                None if r == "stack" or o is None else c + jnp.asarray(o).astype(c.dtype)
+            ),
             red,
             carry,
             out,
