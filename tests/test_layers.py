@@ -133,6 +133,45 @@ def test_stacked_weights_also_used_whole_fed_back(mesh4x2):
         assert_close(got, want)
 
 
+@jax.jit
+def _user_jitted(h):
+    return h * jax.nn.sigmoid(h)
+
+
+@pytest.mark.parametrize("act", ["relu", "silu", "user_jit", "dropout", "hoisted"])
+def test_nested_jit_in_scanned_layers_under_grad(act, mesh4x2):
+    """Nested jits in a by-layer body (jax.nn.relu, silu, a user's jit, dropout's
+    bernoulli) under grad: JAX's partial evaluation leaves work of the body outside the
+    scan (an empty call, loop-invariant residuals), which was refused as by_layer used
+    around other code (found by a probe)."""
+    x = jax.random.normal(jax.random.key(2), (4, D))
+    w = jax.random.normal(jax.random.key(0), (L, D, D)) / 3
+    scale = jnp.float32(1.5)
+
+    def f(h):
+        if act == "relu":
+            return jax.nn.relu(h)
+        if act == "silu":
+            return jax.nn.silu(h)
+        if act == "user_jit":
+            return _user_jitted(h)
+        if act == "dropout":
+            keep = jax.random.bernoulli(jax.random.key(7), 0.75, h.shape)
+            return jnp.where(keep, h / 0.75, 0.0)
+        return jnp.tanh(h) * jnp.exp(scale)  # a loop invariant of a closed-over value
+
+    def loss(w, x):
+        def body(h, wl):
+            with mm.task("layers", stage=mm.by_layer()):
+                return h + f(h @ wl), None
+
+        h, _ = jax.lax.scan(body, x, w)
+        return jnp.mean(h**2)
+
+    g = jax.value_and_grad(loss, argnums=(0, 1))
+    assert_close(mm.jit(g, mesh=mesh4x2)(w, x), reference(g, mesh4x2, w, x))
+
+
 def test_uneven_layers_per_stage(mesh4x2):
     ws, x, y = data()
     sizes = [3, 1, 2, 2]

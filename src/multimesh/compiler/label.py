@@ -20,13 +20,17 @@ from multimesh.tasks import TaskRef, check_stage_range
 _compat.register_exclusion(__file__)
 
 
-def _eqn_task(eqn: Any, memo: dict) -> TaskRef | None:
+def _eqn_task(eqn: Any, memo: dict, scanned: frozenset[str] = frozenset()) -> TaskRef | None:
     own = eqn_tasks(eqn)
     refs = list(own)
     for sub in _sub_jaxprs(eqn.params):
         refs.extend(inner_tasks(sub, memo))
     layered = [r for r in refs if r.layers is not None]
     refs = [r for r in refs if r.layers is None]
+    if layered and not refs and all(r.name in scanned for r in layered):
+        # work of a scanned layer task that JAX moved out of its scan (loop-invariant
+        # residuals, an empty call left by partial evaluation): untagged, placed by data
+        return None
     if layered and not refs:
         raise ValueError(
             f"task {layered[0].name!r}: stage=mm.by_layer(...) places the iterations of a "
@@ -64,7 +68,16 @@ def label(
     their named scopes; explicit tasks win.
     """
     memo: dict = {}
-    tasks = [_eqn_task(e, memo) for e in prog.eqns]
+    # by-layer tasks inside scans (split per stage before labelling)
+    scanned = frozenset(
+        r.name
+        for e in prog.eqns
+        if e.primitive.name == "scan"
+        for sub in _sub_jaxprs(e.params)
+        for r in inner_tasks(sub, memo)
+        if r.layers is not None
+    )
+    tasks = [_eqn_task(e, memo, scanned) for e in prog.eqns]
     if rules is not None:
         if mmesh is None:
             raise ValueError("task_rules map scopes to stages: pass mesh=mmesh to mm.jit.")
