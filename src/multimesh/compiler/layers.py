@@ -205,7 +205,9 @@ def _concat(pieces: list[Any], out: Any, like: Any) -> Any:
 def _push_through(e: Any, eqns: list[Any], splits: dict) -> bool:
     """Run element-wise work and reductions on split values per piece."""
     prim = e.primitive.name
-    if prim not in _ELEMENTWISE and prim not in _REDUCTIONS:
+    if prim == "sharding_constraint" and not _leading_unsharded(e):
+        return False  # a layout over the stacked (layer) axis: the whole value
+    if prim not in _ELEMENTWISE and prim not in _REDUCTIONS and prim != "sharding_constraint":
         return False
     if len(e.outvars) != 1:
         return False
@@ -243,6 +245,15 @@ def _push_through(e: Any, eqns: list[Any], splits: dict) -> bool:
         eqns.append(_concat(pieces, out, e))
         splits[out] = Split(ranges, pieces)
     return True
+
+
+def _leading_unsharded(e: Any) -> bool:
+    """Whether a sharding constraint leaves dim 0 (the layers) unsharded: it then holds
+    per stage's piece (a declared tensor-parallel layout of a stacked parameter)."""
+    spec = getattr(e.params.get("sharding"), "spec", None)
+    if spec is None or not e.invars or not getattr(e.invars[0].aval, "shape", ()):
+        return False
+    return len(spec) == 0 or spec[0] is None
 
 
 def _reduce_pieces(e: Any, sp: Split | None, eqns: list[Any], splits: dict) -> bool:
