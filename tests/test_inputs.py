@@ -199,6 +199,44 @@ def test_donate_argnums(mesh4x2):
     np.testing.assert_allclose(float(s), 14.4, rtol=1e-6)
 
 
+def test_donated_arrays_are_deleted_wherever_they_are_used():
+    """As under jax.jit, a donated array is deleted after the call also where its buffer
+    could not be reused: committed to another submesh's device, replicated over the
+    global mesh, used on two submeshes, returned (found by a probe)."""
+    mmesh = mm.make_mesh((2, 4), ("stage", "data"))
+    x = jnp.arange(32, dtype=jnp.float32).reshape(4, 8)
+
+    def one(a):
+        with mm.task("a", stage=0):
+            return a * 2
+
+    def two(a):
+        with mm.task("a", stage=0):
+            h = a * 2
+        with mm.task("b", stage=1):
+            return h + a
+
+    def passthrough(a):
+        with mm.task("a", stage=0):
+            return a * 2, a
+
+    cases = [
+        (one, lambda: jax.device_put(x + 0, jax.devices()[5])),
+        (one, lambda: jax.device_put(x + 0, jax.sharding.NamedSharding(mmesh.mesh, P()))),
+        (two, lambda: x + 0),
+        (passthrough, lambda: x + 0),
+    ]
+    for f, make in cases:
+        a = make()
+        got = mm.jit(f, mesh=mmesh, donate_argnums=0)(a)
+        assert a.is_deleted()
+        assert_close(got, reference(f, mmesh, x + 0))
+        a = make()
+        got = mm.jit(f, mesh=mmesh, donate_argnums=0).lower(a).compile()(a)
+        assert a.is_deleted()
+        assert_close(got, reference(f, mmesh, x + 0))
+
+
 def test_a_donated_array_passed_twice_is_an_error(mesh4x2):
     """``f(a, a)`` donating the first: a clear error naming both, as jax.jit's
     INVALID_ARGUMENT (was a segmentation fault; found by a probe)."""

@@ -253,11 +253,15 @@ def test_constant_and_literal_outputs_are_fresh(mesh4x2):
     assert float(g(X)[1]) == 1.0  # deleting one call's outputs does not break later calls
     # donating a state that holds a literal/constant output works, call after call
     h = mm.jit(lambda s: (s[0] + 1, s[1], s[2]), mesh=mesh4x2, donate_argnums=0)
-    s = (jnp.ones(2), jnp.float32(0.5), c)
+    c2 = jnp.arange(3.0)
+    s = (jnp.ones(2), jnp.float32(0.5), c2)
     for _ in range(3):
         s = h(s)
     assert_close(s[0], jnp.full(2, 4.0))
-    np.testing.assert_array_equal(np.asarray(c), np.arange(3.0))
+    np.testing.assert_array_equal(np.asarray(s[2]), np.arange(3.0))
+    assert c2.is_deleted()  # donated, as under jax.jit
+    np.testing.assert_array_equal(np.asarray(c), np.arange(3.0))  # g's constant: kept
+    assert_close(g(X), want)
 
 
 def test_passthrough_output_is_a_distinct_array(mesh4x2):

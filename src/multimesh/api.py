@@ -307,6 +307,7 @@ class MpmdFunction:
         if compiled._donated:
             compiled._check_donated_once(flat)
         outs, tl = compiled._exe.record(flat)
+        compiled._delete_donated(flat)
         return jax.tree_util.tree_unflatten(compiled.out_tree, outs), tl
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:

@@ -372,9 +372,21 @@ class Compiled(_ArgsInfo):
         return self.call_flat(flat)
 
     def call_flat(self, flat: Sequence[Any]) -> Any:
-        if self._donated:
-            self._check_donated_once(flat)
-        return jax.tree_util.tree_unflatten(self.out_tree, self._exe(flat))
+        if not self._donated:
+            return jax.tree_util.tree_unflatten(self.out_tree, self._exe(flat))
+        self._check_donated_once(flat)
+        outs = self._exe(flat)
+        self._delete_donated(flat)
+        return jax.tree_util.tree_unflatten(self.out_tree, outs)
+
+    def _delete_donated(self, flat: Sequence[Any]) -> None:
+        """Donated arrays are gone after the call, as under jax.jit, also where the plan
+        could not reuse their buffers (copied to another submesh, used on two, returned):
+        their memory is freed once the work using them is done."""
+        for i in self._donated:
+            x = flat[i]
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
 
     def _check_donated_once(self, flat: Sequence[Any]) -> None:
         """A donated array passed again as another argument (``f(a, a)`` with the first
@@ -404,6 +416,7 @@ class Compiled(_ArgsInfo):
         if self._donated:
             self._check_donated_once(flat)
         outs, tl = self._exe.record(flat)
+        self._delete_donated(flat)
         return jax.tree_util.tree_unflatten(self.out_tree, outs), tl
 
     # -- introspection ----------------------------------------------------------------
