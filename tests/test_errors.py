@@ -229,3 +229,18 @@ def test_task_in_scan_with_outside_work(mesh4x2):
     with mesh4x2:
         want = jax.jit(f)(jnp.ones(2))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want))
+
+
+def test_bad_arguments_are_named(mesh4x2):
+    """A non-array argument and an int overflowing int32 name the argument, as jax.jit
+    does (they said only "arguments" and ``leaves[1]``)."""
+
+    def f(x, n):
+        with mm.task("a", stage=0):
+            return x * n
+
+    g = mm.jit(f, mesh=mesh4x2)
+    with pytest.raises(TypeError, match="argument n: mm.jit arguments must be arrays"):
+        g(jnp.ones(3), "text")
+    with pytest.raises(OverflowError, match="argument path is n"):
+        g(jnp.ones(3), 2**40)

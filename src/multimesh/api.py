@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import threading
 import types
 from collections.abc import Callable, Hashable, Sequence
@@ -117,6 +118,14 @@ class MpmdFunction:
     def _keys(self, call: Call, flat: list[Any]) -> list[tuple[Any, ...]]:
         try:
             return [leaf_key(x) for x in flat]
+        except TypeError as e:  # name the argument
+            names = self._signature.leaf_names(call)
+            for i, x in enumerate(flat):
+                try:
+                    leaf_key(x)
+                except TypeError:
+                    raise TypeError(f"argument {names[i]}: {e}") from None
+            raise
         except DeletedArgument:
             names = self._signature.leaf_names(call)
             bad = next(i for i, x in enumerate(flat) if isinstance(x, jax.Array) and x.is_deleted())
@@ -177,7 +186,18 @@ class MpmdFunction:
             with _compat.no_mesh_context(), tracing(state), contextlib.ExitStack() as es:
                 if mmesh is not None:  # as in the reference, `with mmesh: jax.jit(f)`
                     es.enter_context(_compat.set_mesh(mmesh.mesh))
-                closed = jax.make_jaxpr(flat_fun)(*[trace_arg(x) for x in flat])
+                try:
+                    closed = jax.make_jaxpr(flat_fun)(*[trace_arg(x) for x in flat])
+                except OverflowError as e:  # JAX names flat leaves: name the argument
+                    names = self._signature.leaf_names(call)
+                    text = re.sub(
+                        r"leaves\[(\d+)\]",
+                        lambda m: (
+                            names[int(m.group(1))] if int(m.group(1)) < len(names) else m.group(0)
+                        ),
+                        str(e),
+                    )
+                    raise OverflowError(text) from None
         finally:
             reset_active(tok)
         rules = Rules(self._task_rules) if self._task_rules is not None else None
