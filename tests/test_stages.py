@@ -337,3 +337,28 @@ def test_args_info_in_avals_and_donation_like_jax_stages(mesh4x2):
     assert mf.cost_analysis()["flops"] > 0
     with pytest.raises(NotImplementedError, match="one per fragment"):
         mf.compiler_ir()
+
+
+def test_trace_stage_like_jax_stages(mesh4x2):
+    """``mm.jit(f).trace(*args)`` as ``jax.jit(f).trace``: jaxpr, out_info, args_info,
+    then ``.lower().compile()`` runs it."""
+
+    def f(x, n):
+        with mm.task("a", stage=0):
+            y = x * n
+        with mm.task("b", stage=1):
+            return y.sum(), y
+
+    g = mm.jit(f, mesh=mesh4x2, static_argnums=1, donate_argnums=0)
+    t = g.trace(X, 3)
+    want = jax.jit(f, static_argnums=1, donate_argnums=0).trace(X, 3)
+    assert isinstance(t, mm.TracedCall)
+    assert str(t.jaxpr) == str(want.jaxpr)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), t.out_info) == jax.tree.map(
+        lambda a: (a.shape, a.dtype), want.out_info
+    )
+    assert [a.donated for a in jax.tree.leaves(t.args_info)] == [True]
+    c = t.lower().compile()
+    x = X + 0
+    assert_close(c(x), reference(lambda x: f(x, 3), mesh4x2, X))
+    assert x.is_deleted()

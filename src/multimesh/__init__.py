@@ -16,6 +16,7 @@ from multimesh.mesh import make_mesh as make_mesh
 from multimesh.microbatch import microbatch as microbatch
 from multimesh.stages import Compiled as Compiled
 from multimesh.stages import Lowered as Lowered
+from multimesh.stages import TracedCall as TracedCall
 from multimesh.tasks import by_layer as by_layer
 from multimesh.tasks import task as task
 
@@ -35,4 +36,5 @@ __all__ = [
     "microbatch",
     "schedules",
     "task",
+    "TracedCall",
 ]

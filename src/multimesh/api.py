@@ -43,7 +43,7 @@ from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.rules import Rules
 from multimesh.mesh import MultiMesh, active_multimesh, reset_active, set_active
 from multimesh.runtime import compiling
-from multimesh.stages import Compiled, Lowered, Traced
+from multimesh.stages import Compiled, Lowered, Traced, TracedCall
 from multimesh.tasks import TraceState, tracing
 
 _compat.register_exclusion(__file__)
@@ -291,6 +291,14 @@ class MpmdFunction:
         or without shardings); ``.compile()`` compiles the fragments."""
         call, flat, in_tree, _keys, key = self._prepare(args, kwargs)
         return self._lower(call, flat, in_tree, key)
+
+    def trace(self, *args: Any, **kwargs: Any) -> TracedCall:
+        """Trace for these arguments (as ``jax.jit(f).trace``): the jaxpr and the output
+        shapes, before placement; ``.lower()`` plans it."""
+        call, flat, in_tree, _keys, key = self._prepare(args, kwargs)
+        with compiling.gc_paused():
+            traced = self._trace(call, flat, in_tree, _abstract(key))
+        return TracedCall(self, call, flat, traced, key)
 
     def _lower(self, call: Call, flat: list[Any], in_tree: Any, key: Hashable) -> Lowered:
         with compiling.gc_paused():

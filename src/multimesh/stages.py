@@ -1,5 +1,5 @@
-"""Staged compilation, as in ``jax.stages``: ``Lowered`` (traced and planned) and
-``Compiled`` (every fragment compiled by XLA for its submesh).
+"""Staged compilation, as in ``jax.stages``: ``TracedCall`` (traced), ``Lowered`` (traced
+and planned) and ``Compiled`` (every fragment compiled by XLA for its submesh).
 
 ``mm.jit(f).lower(*args)`` gives a :class:`Lowered`: its ``plan`` says which fragment
 runs where and what moves between submeshes. ``.compile()`` gives a :class:`Compiled`,
@@ -80,6 +80,49 @@ class _ArgsInfo:
     def donate_argnums(self) -> tuple[int, ...]:
         """Flat indices of the donated arguments."""
         return tuple(sorted(self._donated))
+
+
+class TracedCall(_ArgsInfo):
+    """``mm.jit(f).trace(*args)``: the traced program before placement, as
+    ``jax.stages.Traced`` (``jaxpr``, ``out_info``, ``args_info``; ``lower()`` plans it)."""
+
+    def __init__(self, fn: MpmdFunction, call: Call, flat: list[Any], traced: Traced, key: Any):
+        self._fn, self._call, self._flat, self._key = fn, call, flat, key
+        self._traced = traced
+        self.jaxpr = traced.jaxpr
+        self.in_tree = traced.in_tree
+        self.out_tree = traced.out_tree
+        self._arg_avals = list(traced.jaxpr.in_avals)
+        self._donated = frozenset(fn._signature.donated_leaves(call))
+        self.fun_name = fn._fun_name
+
+    @property
+    def out_info(self) -> Any:
+        """The outputs' shapes and dtypes, as a pytree of ``jax.ShapeDtypeStruct``."""
+        return _out_info(self._traced)
+
+    def lower(self) -> Lowered:
+        """Place and plan the traced program (see :class:`Lowered`)."""
+        fn = self._fn
+        with compiling.gc_paused():
+            return Lowered(
+                fn,
+                self._call,
+                self._flat,
+                self._traced,
+                self._key,
+                fn._out_sharding_leaves(self._traced),
+            )
+
+
+def _out_info(traced: Traced) -> Any:
+    return jax.tree_util.tree_unflatten(
+        traced.out_tree,
+        [
+            jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+            for a in traced.out_avals
+        ],
+    )
 
 
 class Lowered(_ArgsInfo):
@@ -175,13 +218,7 @@ class Lowered(_ArgsInfo):
     @property
     def out_info(self) -> Any:
         """The outputs' shapes and dtypes, as a pytree of ``jax.ShapeDtypeStruct``."""
-        return jax.tree_util.tree_unflatten(
-            self.out_tree,
-            [
-                jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-                for a in self._traced.out_avals
-            ],
-        )
+        return _out_info(self._traced)
 
     def as_text(self) -> str:
         """A readable listing of the plan: fragments, devices and transfers (and, with
