@@ -362,3 +362,23 @@ def test_trace_stage_like_jax_stages(mesh4x2):
     x = X + 0
     assert_close(c(x), reference(lambda x: f(x, 3), mesh4x2, X))
     assert x.is_deleted()
+
+
+def test_lowered_and_traced_compile_after_their_arguments_are_donated(mesh4x2):
+    """A Lowered / TracedCall keeps what it needs of its arguments: compiling it after a
+    donating call deleted them works, as with jax.stages (found by a probe)."""
+
+    def f(w, x):
+        with mm.task("a", stage=0):
+            h = x @ w
+        with mm.task("b", stage=1):
+            return h * 2
+
+    g = mm.jit(f, mesh=mesh4x2, donate_argnums=0)
+    w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+    lowered, traced = g.lower(w, x), g.trace(w, x)
+    g(w, x)
+    assert w.is_deleted()
+    want = reference(f, mesh4x2, jnp.ones((4, 4)), x)
+    for c in (lowered.compile(), traced.lower().compile()):
+        assert_close(c(jnp.ones((4, 4)), x), want)

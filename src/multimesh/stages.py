@@ -317,7 +317,7 @@ class Compiled(_ArgsInfo):
         self._arg_avals, self._donated = lowered._arg_avals, lowered._donated
         self.plan = lowered.plan
         self._out_info = lowered.out_info
-        self._leaf_keys = [leaf_key(x) for x in lowered._flat]
+        self._leaf_keys = list(lowered._key[3])  # made while the arguments were alive
         self._names: list[str] | None = None
         self._ndims = [len(k[0]) if len(k) > 1 else 0 for k in self._leaf_keys]
         self._plan_sig = lowered._plan_signature()
