@@ -567,15 +567,19 @@ class Executable:
             shs: list[Any] = []
             for a, home, direct, extracts, puts, tgts, aval in leaves_t:
                 x = args[a]
-                sh = getattr(x, "sharding", None)
-                if home is not None and sh is not None and sh != home:
-                    ok = same.get((a, sh))
-                    if ok is None:
-                        ok = same[(a, sh)] = _compat.same_layout_as(x, home)
-                    if ok:
-                        x = make(x.shape, home, pieces_of(x))
-                        sh = home
-                if home is not None and sh == home:
+                here = False
+                if home is not None:
+                    sh = getattr(x, "sharding", None)
+                    if sh is home or sh == home:
+                        here = True
+                    elif sh is not None:
+                        ok = same.get((a, sh))
+                        if ok is None:
+                            ok = same[(a, sh)] = _compat.same_layout_as(x, home)
+                        if ok:
+                            x = make(x.shape, home, pieces_of(x))
+                            here = True
+                if here:
                     for sid in direct:
                         env[sid] = x
                     if extracts:
