@@ -55,6 +55,8 @@ def test_gpt_equals_spmd(layout, tmp_path, capsys):
     assert "largest loss difference vs SPMD" in out and "(ok" in out
     assert "tokens/s" in out and "model FLOPs utilisation" in out
     assert len(m["losses"]) == 3
+    # the state comes back in the layout it went in: the second step compiles nothing
+    assert m["step_times_s"][1] < m["step_times_s"][0] / 3, m["step_times_s"]
 
 
 @pytest.mark.slow
@@ -95,6 +97,8 @@ def test_every_layout_and_schedule(layout, schedule, tmp_path):
         (["--pp", "0"], "argument --pp: must be a positive integer, got 0"),
         (["--microbatch-size", "0"], "argument --microbatch-size: must be a positive integer"),
         (["--num-steps", "-1"], "argument --num-steps: must be a positive integer, got -1"),
+        (["--seed", "-5"], "argument --seed: must be a non-negative integer, got -5"),
+        (["--sequence-length", "1"], "--sequence-length 1: needs at least 2"),
     ],
 )
 def test_flag_errors(args, message, capsys):
@@ -103,6 +107,15 @@ def test_flag_errors(args, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert message in err, err
+
+
+def test_default_pp_leaves_room_for_tp_and_fsdp():
+    p = cli.parser()
+    for flags, want in [([], (4, 2)), (["--tp", "4"], (2, 1)), (["--fsdp", "4"], (2, 1)),
+                        (["--tp", "8"], (1, 1)), (["--tp", "2", "--fsdp", "2"], (2, 1))]:
+        ns = p.parse_args(flags)
+        cli.validate(ns, 8, p)
+        assert (ns.pp, ns.dp) == want, flags
 
 
 def test_help_documents_every_flag():
@@ -259,7 +272,7 @@ def test_under_mpirun_and_slurm_equals_one_process(kind, tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_checkpoint_resume_continues_the_loss_curve(tmp_path):
+def test_checkpoint_resume_continues_the_loss_curve(tmp_path, capsys):
     """Train 4 steps saving at 2 and 4; drop step 4 and resume from step 2: steps 3-4
     repeat bit-identically; a resume in another layout continues too."""
     import shutil
@@ -285,6 +298,14 @@ def test_checkpoint_resume_continues_the_loss_curve(tmp_path):
                "--checkpoint-dir", str(ck), "--resume")
     assert other["first_step"] == 2
     assert other["losses"] == pytest.approx(full["losses"][2:], rel=1e-4)
+    # nothing left to do: still writes its metrics
+    done = go("done", *base, "--checkpoint-dir", str(ck), "--resume")
+    assert done["first_step"] == 4 and done["losses"] == []
+    # another model (the default --num-layers follows --pp): a one-line error
+    code = cli.main([*fast, "--num-steps", "6", "--pp", "4", "--dp", "2",
+                     "--checkpoint-dir", str(ck), "--resume"])
+    assert code == 2
+    assert "does not fit this model" in capsys.readouterr().err
 
 
 def test_checkpoint_flags_need_a_directory(capsys):

@@ -382,3 +382,21 @@ def test_lowered_and_traced_compile_after_their_arguments_are_donated(mesh4x2):
     want = reference(f, mesh4x2, jnp.ones((4, 4)), x)
     for c in (lowered.compile(), traced.lower().compile()):
         assert_close(c(jnp.ones((4, 4)), x), want)
+
+
+def test_out_shardings_single_device_sharding():
+    """``out_shardings`` takes a ``SingleDeviceSharding`` (an array's own sharding on a
+    one-device submesh), as jax.jit does."""
+    mmesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+
+    def f(x):
+        with mm.task("a", stage=0):
+            y = x * 2
+        with mm.task("b", stage=1):
+            return y + 1, y
+
+    d0, d1 = jax.devices()[:2]
+    shs = (jax.sharding.SingleDeviceSharding(d1), jax.sharding.SingleDeviceSharding(d0))
+    out = mm.jit(f, mesh=mmesh, out_shardings=shs)(X)
+    assert_close(out, reference(f, mmesh, X))
+    assert [{d.id for d in o.sharding.device_set} for o in out] == [{1}, {0}]

@@ -30,6 +30,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _nonnegative(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
     """Adds "(default: X)" unless the help already says its default, X is None or the
     flag takes no value."""
@@ -115,7 +126,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--sequence-length", type=_positive, default=32, help="tokens per sequence")
     t.add_argument("--num-steps", type=_positive, default=10, help="training steps")
     t.add_argument("--learning-rate", type=float, default=3e-3, help="AdamW learning rate")
-    t.add_argument("--seed", type=int, default=0, help="random seed (init and data)")
+    t.add_argument("--seed", type=_nonnegative, default=0, help="random seed (init and data)")
     c = p.add_argument_group("checkpoints (Orbax, asynchronous; see mm.checkpoint)")
     c.add_argument(
         "--checkpoint-dir",
@@ -182,7 +193,7 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
     if ns.interleave > 1 and ns.schedule != "interleaved-1f1b":
         p.error(f"--interleave {ns.interleave} needs --schedule interleaved-1f1b")
     if ns.pp is None and ns.dp is None:
-        ns.pp = min(4, num_devices)
+        ns.pp = max(1, min(4, num_devices // (ns.tp * ns.fsdp)))
     if ns.pp is None:
         ns.pp = max(1, num_devices // (ns.tp * ns.dp * ns.fsdp))
     if ns.dp is None:
@@ -227,6 +238,8 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
         p.error(
             f"--schedule interleaved-1f1b needs --num-microbatches ({m}) divisible by --pp {ns.pp}"
         )
+    if ns.model == "gpt" and ns.sequence_length < 2:
+        p.error(f"--sequence-length {ns.sequence_length}: needs at least 2 (next-token targets)")
     if ns.model_dims % ns.num_heads:
         p.error(f"--model-dims {ns.model_dims} is not divisible by --num-heads {ns.num_heads}")
     if ns.model_dims % ns.tp or (ns.mlp_dims or 4 * ns.model_dims) % ns.tp:

@@ -4,7 +4,9 @@ NNX) on synthetic token data, on a (pp, dp, fsdp, tp) MultiMesh."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -72,7 +74,18 @@ def run(ns: argparse.Namespace) -> int:
         manager = mm.checkpoint.CheckpointManager(ns.checkpoint_dir, max_to_keep=ns.max_to_keep)
         latest = manager.latest_step() if ns.resume else None
         if latest is not None:
-            state = manager.restore(latest, target=state)  # onto this run's submeshes
+            try:
+                state = manager.restore(latest, target=state)  # onto this run's submeshes
+            except ValueError as e:
+                print(
+                    f"multimesh-run: error: the checkpoint at step {latest} in "
+                    f"{ns.checkpoint_dir} does not fit this model (was it saved with other "
+                    "--num-layers/--model-dims/--num-heads/--mlp-dims/--vocab-size/"
+                    "--tied-embeddings? --num-layers defaults to --pp x --interleave): "
+                    f"{str(e).splitlines()[0][:300]}",
+                    file=sys.stderr,
+                )
+                return 2
             start = latest
         if rank0 and ns.resume:
             print(
@@ -88,7 +101,12 @@ def run(ns: argparse.Namespace) -> int:
         # (in multi-process runs an array is served to other processes once an mm.jit
         # call returned it; the optimizer state was made eagerly)
         host_state = mm.distributed.to_host(mm.jit(lambda s: s, mesh=mmesh)(state))
-    f = mm.jit(step, mesh=mmesh, donate_argnums=0)
+    # the state comes back where it went in: the next step runs the same program (XLA
+    # may otherwise pick other layouts for some leaves, e.g. TP-shard a replicated one,
+    # and the second step would compile again for them)
+    state = jax.tree.map(_named, state)
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    f = mm.jit(step, mesh=mmesh, donate_argnums=0, out_shardings=(state_sh, None))
     batches = [
         synthetic_tokens(ns.batch_size, ns.sequence_length, ns.vocab_size, ns.seed + 1 + i)
         for i in range(ns.num_steps)
@@ -113,6 +131,8 @@ def run(ns: argparse.Namespace) -> int:
         manager.wait_until_finished()
         manager.close()
     if not losses:
+        if rank0 and ns.metrics:
+            write_metrics(ns, start, losses, times)
         return 0
     extra: list[tuple[str, str]] = []
     code = 0
@@ -122,7 +142,10 @@ def run(ns: argparse.Namespace) -> int:
         with mmesh:
             for k, i in enumerate(steps):
                 ref_state, ref_loss = ref(ref_state, batches[i])
-                worst = max(worst, abs(float(mm.distributed.to_host(ref_loss)) - losses[k]))
+                a, b = float(mm.distributed.to_host(ref_loss)), losses[k]
+                # a NaN or inf on either side is a failure, not a match
+                diff = abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+                worst = max(worst, diff)
         ok = worst <= ns.tolerance
         extra.append(
             (
@@ -134,20 +157,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.dump:
         extra += dump(ns, f, state, batches[-1], mmesh)
     if rank0 and ns.metrics:
-        import json
-
-        with open(ns.metrics, "w") as fh:
-            json.dump(
-                {
-                    "first_step": start,
-                    "losses": losses,
-                    "step_times_s": times,
-                    "settings": vars(ns),
-                },
-                fh,
-                indent=1,
-                default=str,
-            )
+        write_metrics(ns, start, losses, times)
     if rank0:
         print(report.summary(times, tokens_per_step, flops, losses, extra))
         if code:
@@ -156,6 +166,30 @@ def run(ns: argparse.Namespace) -> int:
                 f"--tolerance {ns.tolerance:g}"
             )
     return code
+
+
+def _named(x: Any) -> Any:
+    """A one-device leaf (an optimizer's step count) with a ``NamedSharding``, as the
+    step returns it: the same layout in and out, one program."""
+    sh = x.sharding
+    if not isinstance(sh, jax.sharding.SingleDeviceSharding):
+        return x
+    (d,) = sh.device_set
+    mesh = jax.sharding.Mesh(np.array([d]), ("device",))
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def write_metrics(ns: argparse.Namespace, start: int, losses: list, times: list) -> None:
+    """``--metrics``: the losses, step times and settings as JSON."""
+    import json
+
+    with open(ns.metrics, "w") as fh:
+        json.dump(
+            {"first_step": start, "losses": losses, "step_times_s": times, "settings": vars(ns)},
+            fh,
+            indent=1,
+            default=str,
+        )
 
 
 def dump(ns: argparse.Namespace, f: Any, state: Any, batch: Any, mmesh: Any) -> list:
@@ -168,7 +202,7 @@ def dump(ns: argparse.Namespace, f: Any, state: Any, batch: Any, mmesh: Any) -> 
     with open(os.path.join(out, "plan.txt"), "w") as fh:
         fh.write(lowered.as_text() + "\n")
     sched = mm.schedules.get(ns.schedule)
-    if ns.interleave > 1:
+    if ns.interleave > 1 or ns.schedule == "interleaved-1f1b":  # as many chunks as run
         sched = mm.schedules.Interleaved1F1B(num_chunks=ns.interleave)
     sim = mm.schedules.simulate(sched, ns.pp, ns.num_microbatches)
     wrote = ["plan.txt"]

@@ -600,7 +600,7 @@ def dump(ns: argparse.Namespace, rec: Record) -> tuple[str, str]:
                 fh.write(step.plan_text + "\n")
             wrote.append("plan.txt")
         sched = mm.schedules.get(ns.schedule)
-        if ns.interleave > 1:
+        if ns.interleave > 1 or ns.schedule == "interleaved-1f1b":  # as many chunks as run
             sched = mm.schedules.Interleaved1F1B(num_chunks=ns.interleave)
         mm.schedules.simulate(sched, ns.pp, ns.num_microbatches).plot(
             os.path.join(out, "simulated.png")
