@@ -104,9 +104,13 @@ def run(ns: argparse.Namespace) -> int:
     # the state comes back where it went in: the next step runs the same program (XLA
     # may otherwise pick other layouts for some leaves, e.g. TP-shard a replicated one,
     # and the second step would compile again for them)
-    state = jax.tree.map(_named, state)
-    state_sh = jax.tree.map(lambda x: x.sharding, state)
-    f = mm.jit(step, mesh=mmesh, donate_argnums=0, out_shardings=(state_sh, None))
+    # (one process only: across processes a leaf the step makes on another submesh than
+    # the one it came from could not be moved to it, and the recompile is the lesser cost)
+    out_sh = None
+    if jax.process_count() == 1:
+        state = jax.tree.map(_named, state)
+        out_sh = (jax.tree.map(lambda x: x.sharding, state), None)
+    f = mm.jit(step, mesh=mmesh, donate_argnums=0, out_shardings=out_sh)
     batches = [
         synthetic_tokens(ns.batch_size, ns.sequence_length, ns.vocab_size, ns.seed + 1 + i)
         for i in range(ns.num_steps)
