@@ -332,11 +332,7 @@ class MpmdFunction:
         :meth:`Compiled.record`). Compiles first if needed; compilation is not part of
         the timeline."""
         compiled, flat = self._compiled_for(args, kwargs)
-        if compiled._donated:
-            compiled._check_donated_once(flat)
-        outs, tl = compiled._exe.record(flat)
-        compiled._delete_donated(flat)
-        return jax.tree_util.tree_unflatten(compiled.out_tree, outs), tl
+        return compiled.record_flat(flat)
 
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The outputs' shapes and dtypes (tasks are transparent: no compilation). Static

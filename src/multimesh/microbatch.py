@@ -258,9 +258,10 @@ def _add(a: Any, b: Any) -> Any:
 
 
 def _strong(x: Any) -> Any:
-    if x is None or jax.dtypes.issubdtype(jnp.asarray(x).dtype, jax.dtypes.extended):
-        return x
-    return jnp.asarray(x).astype(jnp.result_type(x))
+    if x is None:
+        return None
+    a = jnp.asarray(x)
+    return x if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) else a.astype(a.dtype)
 
 
 def _zeros(x: Any) -> Any:

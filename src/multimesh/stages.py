@@ -103,16 +103,7 @@ class TracedCall(_ArgsInfo):
 
     def lower(self) -> Lowered:
         """Place and plan the traced program (see :class:`Lowered`)."""
-        fn = self._fn
-        with compiling.gc_paused():
-            return Lowered(
-                fn,
-                self._call,
-                self._flat,
-                self._traced,
-                self._key,
-                fn._out_sharding_leaves(self._traced),
-            )
+        return self._fn._lower(self._call, self._flat, self.in_tree, self._key)
 
 
 def _out_info(traced: Traced) -> Any:
@@ -411,19 +402,26 @@ class Compiled(_ArgsInfo):
     def call_flat(self, flat: Sequence[Any]) -> Any:
         if not self._donated:
             return jax.tree_util.tree_unflatten(self.out_tree, self._exe(flat))
-        self._check_donated_once(flat)
-        outs = self._exe(flat)
-        self._delete_donated(flat)
-        return jax.tree_util.tree_unflatten(self.out_tree, outs)
+        return jax.tree_util.tree_unflatten(self.out_tree, self._donating(self._exe, flat))
 
-    def _delete_donated(self, flat: Sequence[Any]) -> None:
-        """Donated arrays are gone after the call, as under jax.jit, also where the plan
-        could not reuse their buffers (copied to another submesh, used on two, returned):
-        their memory is freed once the work using them is done."""
+    def record_flat(self, flat: Sequence[Any]) -> tuple[Any, Any]:
+        """:meth:`record` on flat arguments."""
+        outs, tl = (
+            self._donating(self._exe.record, flat) if self._donated else self._exe.record(flat)
+        )
+        return jax.tree_util.tree_unflatten(self.out_tree, outs), tl
+
+    def _donating(self, run: Any, flat: Sequence[Any]) -> Any:
+        """``run(flat)`` with donated arguments: each passed once, and gone afterwards, as
+        under jax.jit, also where the plan could not reuse their buffers (copied to another
+        submesh, used on two, returned): freed once the work using them is done."""
+        self._check_donated_once(flat)
+        out = run(flat)
         for i in self._donated:
             x = flat[i]
             if isinstance(x, jax.Array) and not x.is_deleted():
                 x.delete()
+        return out
 
     def _check_donated_once(self, flat: Sequence[Any]) -> None:
         """A donated array passed again as another argument (``f(a, a)`` with the first
@@ -450,11 +448,7 @@ class Compiled(_ArgsInfo):
         bytes and microbatches per submesh), plottable and exportable as a Chrome trace.
         Takes the same arguments as calling this object."""
         flat, _ = jax.tree_util.tree_flatten((args, kwargs))
-        if self._donated:
-            self._check_donated_once(flat)
-        outs, tl = self._exe.record(flat)
-        self._delete_donated(flat)
-        return jax.tree_util.tree_unflatten(self.out_tree, outs), tl
+        return self.record_flat(flat)
 
     # -- introspection ----------------------------------------------------------------
 

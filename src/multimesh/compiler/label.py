@@ -27,11 +27,11 @@ def _eqn_task(eqn: Any, memo: dict, scanned: frozenset[str] = frozenset()) -> Ta
         refs.extend(inner_tasks(sub, memo))
     layered = [r for r in refs if r.layers is not None]
     refs = [r for r in refs if r.layers is None]
-    if layered and not refs and all(r.name in scanned for r in layered):
-        # work of a scanned layer task that JAX moved out of its scan (loop-invariant
-        # residuals, an empty call left by partial evaluation): untagged, placed by data
-        return None
     if layered and not refs:
+        if all(r.name in scanned for r in layered):
+            # work of a scanned layer task that JAX moved out of its scan (loop-invariant
+            # residuals, an empty call left by partial evaluation): untagged, by data
+            return None
         raise ValueError(
             f"task {layered[0].name!r}: stage=mm.by_layer(...) places the iterations of a "
             "scan over layers; use it inside the body of a jax.lax.scan (nn.scan, "

@@ -205,9 +205,10 @@ def _concat(pieces: list[Any], out: Any, like: Any) -> Any:
 def _push_through(e: Any, eqns: list[Any], splits: dict) -> bool:
     """Run element-wise work and reductions on split values per piece."""
     prim = e.primitive.name
-    if prim == "sharding_constraint" and not _leading_unsharded(e):
-        return False  # a layout over the stacked (layer) axis: the whole value
-    if prim not in _ELEMENTWISE and prim not in _REDUCTIONS and prim != "sharding_constraint":
+    if prim == "sharding_constraint":
+        if not _leading_unsharded(e):
+            return False  # a layout over the stacked (layer) axis: the whole value
+    elif prim not in _ELEMENTWISE and prim not in _REDUCTIONS:
         return False
     if len(e.outvars) != 1:
         return False

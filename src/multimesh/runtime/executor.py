@@ -528,7 +528,7 @@ class Executable:
                 for sid, sh, cut, shape in tgts:
                     if sh == home and cut is None:
                         direct.append(sid)
-                    elif cut is None and not _same_pieces(home, sh, shape):
+                    elif cut is None and not tr.same_pieces(home, sh, shape):
                         puts.append((sid, sh))
                     else:
                         pos = tuple(home_ids.index(d) for d in _compat.addressable_device_ids(sh))
@@ -721,23 +721,6 @@ class Executable:
             for i in free:
                 env[i] = None
         return self.finish(env)
-
-
-def _same_pieces(home: Any, sh: Any, shape: tuple[int, ...]) -> bool:
-    """Whether every device of ``sh`` holds the same part of a ``shape`` value under
-    ``home`` (so ``sh``'s array is made of ``home``'s buffers, without copying)."""
-    try:
-        have = home.devices_indices_map(shape)
-        want = sh.devices_indices_map(shape)
-    except (TypeError, ValueError):
-        return False
-    return all(d in have and _norm(have[d], shape) == _norm(i, shape) for d, i in want.items())
-
-
-def _norm(index: tuple[Any, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
-    return tuple(
-        s.indices(n) if isinstance(s, slice) else (s, s + 1, 1) for s, n in zip(index, shape)
-    )
 
 
 def _local_processes() -> int:

@@ -65,3 +65,25 @@ def union_sharding(shardings: list[NamedSharding], stage_axis: str) -> NamedShar
         axis_types=(jax.sharding.AxisType.Auto,) * devs.ndim,
     )
     return NamedSharding(mesh, first.spec)
+
+
+def same_pieces(home: Any, sh: Any, shape: tuple[int, ...]) -> bool:
+    """Whether every device of ``sh`` holds the same part of a ``shape`` value under
+    ``home`` (so ``sh``'s array is made of ``home``'s buffers, without copying)."""
+    try:
+        have = home.devices_indices_map(shape)
+        want = sh.devices_indices_map(shape)
+    except (TypeError, ValueError):
+        return False
+    return all(
+        d in have and _index_ranges(have[d], shape) == _index_ranges(i, shape)
+        for d, i in want.items()
+    )
+
+
+def _index_ranges(
+    index: tuple[Any, ...], shape: tuple[int, ...]
+) -> tuple[tuple[int, int, int], ...]:
+    return tuple(
+        s.indices(n) if isinstance(s, slice) else (s, s + 1, 1) for s, n in zip(index, shape)
+    )
