@@ -846,3 +846,73 @@ def test_sharded_batch_keeps_its_slices(mesh4x2):
     ref = jax.jit(step)(ws, x)
     for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-6)
+
+
+def test_jaxpr_fingerprint_ignores_names_not_values():
+    """Fragments key their executables by a structural fingerprint: the same work for
+    another microbatch (other variables) shares it; any other value, constant or type
+    does not (the printed jaxpr elides large arrays and nested constants)."""
+    from multimesh import _compat
+
+    def fp(f, *args):
+        return _compat.jaxpr_fingerprint(jax.make_jaxpr(f)(*args).jaxpr)
+
+    x = jnp.ones((4, 4), jnp.float32)
+    assert fp(lambda a: jnp.tanh(a) * 2.0, x) == fp(lambda b: jnp.tanh(b) * 2.0, x)
+    assert fp(lambda a: jnp.tanh(a) * 2.0, x) != fp(lambda a: jnp.tanh(a) * 3.0, x)
+    assert fp(lambda a: jnp.tanh(a), x) != fp(lambda a: jnp.sin(a), x)
+    assert fp(lambda a: a + 1, x) != fp(lambda a: a + 1, x.astype(jnp.bfloat16))
+    assert fp(lambda a: a * 2, 1.0) != fp(lambda a: a * 2, jnp.float32(1.0))  # weak type
+
+    # a nested jit's closed-over constants, and large array parameters, by value
+    def nested(c):
+        return lambda a: jax.jit(lambda b: b + c)(a)
+
+    big = np.arange(4096, dtype=np.float32).reshape(64, 64)
+    other = big.copy()
+    other[32, 32] = -1.0  # the printed arrays are identical (elided)
+    y = jnp.ones((64, 64), jnp.float32)
+    assert str(big) == str(other)
+    j1, j2, j3 = (jax.make_jaxpr(nested(c))(y) for c in (big, other, big.copy()))
+    keys = [_compat.jaxpr_fingerprint(j.jaxpr) for j in (j1, j2, j3)]
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
+def test_sharding_devices_only_in_device_fingerprints():
+    """``devices=True`` tells equations naming other devices apart; the default does not
+    (executables are relocated between submeshes of one shape)."""
+    from multimesh import _compat
+
+    devs = jax.devices()
+    m1 = jax.sharding.Mesh(np.array(devs[:2]), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    m2 = jax.sharding.Mesh(np.array(devs[2:4]), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = jnp.ones((4, 4))
+
+    def constrained(m):
+        s = jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec("x"))
+        return jax.make_jaxpr(lambda a: jax.lax.with_sharding_constraint(a * 2, s))(x).jaxpr
+
+    a, b = constrained(m1), constrained(m2)
+    assert _compat.jaxpr_fingerprint(a) == _compat.jaxpr_fingerprint(b)
+    assert _compat.jaxpr_fingerprint(a, devices=True) != _compat.jaxpr_fingerprint(
+        b, devices=True
+    )
+
+
+def test_stages_differing_only_in_nested_constants_do_not_share_an_executable():
+    """Two stages run the same nested jit closing over different constants: their
+    printed jaxprs are identical (a nested jit's constants are not printed), so keying
+    executables by that text relocated stage 0's program, constant included, to stage 1."""
+    c0 = np.full((4, 4), 1.0, np.float32)
+    c1 = np.full((4, 4), 5.0, np.float32)
+
+    def f(x):
+        h = x
+        for i, c in enumerate((c0, c1)):
+            with mm.task(f"s{i}", stage=i):
+                h = jax.jit(lambda b, c=c: jnp.tanh(b + c) * 2.0)(h)
+        return h
+
+    mesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    x = jnp.linspace(-1, 1, 16, dtype=jnp.float32).reshape(4, 4)
+    np.testing.assert_array_equal(mm.jit(f, mesh=mesh)(x), jax.jit(f)(x))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -34,8 +35,6 @@ jaxpr_as_fun = jcore.jaxpr_as_fun
 
 def stable_hash(text: str) -> int:
     """A hash of ``text`` that is the same in every process (``hash`` is salted)."""
-    import hashlib
-
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
@@ -260,6 +259,109 @@ def make_jaxpr_obj(
         tuple(f"out{i}" for i in range(len(outvars))),
     )
     return jcore.Jaxpr([], invars, outvars, eqns, frozenset(effects), dbg)
+
+
+_AVAL_TOKENS: dict[Any, str] = {}
+
+
+def _aval_token(aval: Any) -> str:
+    """A short text of ``aval`` (shape, dtype, weak type, sharded axes), cached."""
+    try:
+        return _AVAL_TOKENS[aval]
+    except (KeyError, TypeError):
+        pass
+    short = getattr(aval, "str_short", None)
+    text = short() if short is not None else repr(aval)
+    if getattr(aval, "weak_type", False):
+        text += "~w"
+    text = f"{type(aval).__name__}:{text}"
+    try:
+        if len(_AVAL_TOKENS) > 65536:
+            _AVAL_TOKENS.clear()
+        _AVAL_TOKENS[aval] = text
+    except TypeError:  # unhashable
+        pass
+    return text
+
+
+def _device_ids(v: Any) -> tuple[Any, ...]:
+    if isinstance(v, jax.Device):
+        return (v.id,)
+    if isinstance(v, jax.sharding.Mesh):  # the empty mesh holds None
+        return tuple(getattr(d, "id", None) for d in v.devices.flat)
+    if isinstance(v, jax.sharding.NamedSharding):
+        return _device_ids(v.mesh) if isinstance(v.mesh, jax.sharding.Mesh) else ()
+    return tuple(sorted(d.id for d in v.device_set))
+
+
+def _param_token(v: Any, memo: dict[Any, Any]) -> Any:
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if memo["devices"] and isinstance(
+        v, (jax.sharding.Sharding, jax.sharding.Mesh, jax.Device)
+    ):
+        return (type(v).__name__, str(v), _device_ids(v))
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, *(_param_token(x, memo) for x in v))
+    if isinstance(v, ClosedJaxpr):
+        consts = tuple(_param_token(c, memo) for c in v.consts)
+        return ("closed", _jaxpr_token(v.jaxpr, memo), consts)
+    if isinstance(v, Jaxpr):
+        return _jaxpr_token(v, memo)
+    if isinstance(v, dict):
+        return ("dict", *sorted((str(k), _param_token(x, memo)) for k, x in v.items()))
+    if isinstance(v, (np.ndarray, np.generic, jax.Array)):  # by value (text elides)
+        a = np.asarray(v)
+        digest = hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()
+        return ("array", a.shape, str(a.dtype), digest)
+    return (type(v).__name__, str(v))
+
+
+def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
+    hit = memo.get(id(jaxpr))
+    if hit is not None and hit[0] is jaxpr:
+        return hit[1]
+    ids: dict[Any, int] = {}
+
+    def bind(v: Any) -> str:
+        ids[v] = len(ids)
+        return _aval_token(v.aval)
+
+    def ref(v: Any) -> Any:
+        if isinstance(v, Literal):
+            return ("lit", str(v.val), _aval_token(v.aval))
+        k = ids.get(v)
+        if k is None:  # free variable
+            return ("free", bind(v))
+        return k
+
+    head = (
+        tuple(bind(v) for v in jaxpr.constvars),
+        tuple(bind(v) for v in jaxpr.invars),
+    )
+    eqns = []
+    for e in jaxpr.eqns:
+        ins = tuple(ref(v) for v in e.invars)
+        params = tuple(sorted((k, _param_token(x, memo)) for k, x in e.params.items()))
+        outs = tuple(
+            ("drop", _aval_token(v.aval)) if isinstance(v, DropVar) else bind(v)
+            for v in e.outvars
+        )
+        eqns.append((e.primitive.name, ins, params, outs))
+    token = (head, tuple(eqns), tuple(ref(v) for v in jaxpr.outvars))
+    memo[id(jaxpr)] = (jaxpr, token)
+    return token
+
+
+def jaxpr_fingerprint(jaxpr: Any, devices: bool = False) -> str:
+    """A digest of ``jaxpr``'s structure: equal for jaxprs that differ only in their
+    variables' identities (the same work for another microbatch), different when any
+    primitive, parameter, literal, shape, dtype or weak type differs. Parameters other
+    than numbers, text and jaxprs count by their text (as the jaxpr's printed form shows
+    them: a sharding's devices are not in it, see ``embedded_placements``) and, with
+    ``devices``, by the devices they name too. Much faster than ``str(jaxpr)``."""
+    token = _jaxpr_token(jaxpr, {"devices": devices})
+    return hashlib.blake2b(repr(token).encode(), digest_size=16).hexdigest()
 
 
 def single_device_arrays(x: jax.Array) -> list[jax.Array]:

@@ -129,6 +129,8 @@ class Executable:
         borrowed: set[int] = set()  # slots holding the caller's buffers (or constants)
         #: slots whose buffers are donated to a later fragment (invalid after it runs)
         self.donated_slots: set[int] = set()
+        #: fragments doing the same work (another microbatch's): rewritten once
+        same_work: dict[Any, tuple[Any, str, tuple[Any, ...]]] = {}
 
         for step_no, st in enumerate(plan.steps):
             if st.kind == "inputs":
@@ -155,22 +157,10 @@ class Executable:
                 in_ids = [plan.slots[s] for s in f.inputs]
                 out_ids = [plan.slots[s] for s in f.outputs]
                 mesh = targets[f.stage].mesh
-                eqns = []
-                for i in f.eqns:
-                    ref = labels.tasks[i]
-                    tmesh = labels.task_meshes[i] if ref is not None else mesh
-                    where = (
-                        f"task {ref.name!r}"
-                        if ref is not None
-                        else f"untagged code placed on stage {f.stage}"
-                    )
-                    ctx = shard_pass.Ctx(tmesh, global_mesh, stage_axis, where)
-                    eqns.append(shard_pass.rewrite_eqn(prog.eqns[i], ctx))
-                jaxpr = _compat.make_jaxpr_obj(
-                    [v for v, _ in f.inputs], [v for v, _ in f.outputs], eqns, info.name
+                jaxpr, text, placed = self._fragment_jaxpr(
+                    f, info.name, prog, labels, mesh, global_mesh, stage_axis, same_work
                 )
                 fn = _compat.jaxpr_as_fun(_compat.ClosedJaxpr(jaxpr, []))
-                placed = compiling.embedded_placements(jaxpr)
                 # a fragment without inputs would run on the default device: pin it. On a
                 # one-device submesh every layout is the same, and a fragment of replicated
                 # inputs that names no sharding makes replicated outputs: fix these, so the
@@ -211,7 +201,7 @@ class Executable:
                 body = _named(fn, "mm_" + _sanitize(info.name))
 
                 def keys(
-                    in_sh, f=f, out_sh=out_sh, donate=donate, mesh=mesh, jaxpr=jaxpr, placed=placed
+                    in_sh, f=f, out_sh=out_sh, donate=donate, mesh=mesh, text=text, placed=placed
                 ) -> tuple[Any, Any, list[Any]]:
                     avals = [
                         jax.ShapeDtypeStruct(
@@ -225,7 +215,7 @@ class Executable:
                     # identical fragments (e.g. one stage's work for each microbatch, or
                     # the same program planned for other input placements) share one
                     # executable
-                    key = (str(jaxpr), in_sh, out_sh, donate, tuple(avals), opt_key, placed)
+                    key = (text, in_sh, out_sh, donate, tuple(avals), opt_key, placed)
                     # ... and so do fragments that differ only in which submesh (of one
                     # shape) runs them: one compile, loaded for the other devices
                     rkey = compiling.device_free_key(
@@ -428,6 +418,48 @@ class Executable:
         return (self._uid, self._calls)
 
     # -- steps ------------------------------------------------------------------------
+
+    @staticmethod
+    def _fragment_jaxpr(
+        f: Any,
+        name: str,
+        prog: FlatProgram,
+        labels: Labels,
+        mesh: Any,
+        global_mesh: Any,
+        stage_axis: str | None,
+        same_work: dict[Any, tuple[Any, str, tuple[Any, ...]]],
+    ) -> tuple[Any, str, tuple[Any, ...]]:
+        """The jaxpr a fragment compiles (its equations' shardings rewritten for their
+        submeshes), its fingerprint and the placements embedded in it. Fragments doing
+        the same work on the same meshes (every microbatch's) share one."""
+        ins, outs = [v for v, _ in f.inputs], [v for v, _ in f.outputs]
+        raw = _compat.make_jaxpr_obj(ins, outs, [prog.eqns[i] for i in f.eqns], name)
+        tmeshes = tuple(
+            labels.task_meshes[i] if labels.tasks[i] is not None else None for i in f.eqns
+        )
+        work = (_compat.jaxpr_fingerprint(raw, devices=True), mesh, tmeshes)
+        hit = same_work.get(work)
+        if hit is not None:
+            return hit
+        eqns = []
+        for i in f.eqns:
+            ref = labels.tasks[i]
+            tmesh = labels.task_meshes[i] if ref is not None else mesh
+            where = (
+                f"task {ref.name!r}"
+                if ref is not None
+                else f"untagged code placed on stage {f.stage}"
+            )
+            ctx = shard_pass.Ctx(tmesh, global_mesh, stage_axis, where)
+            eqns.append(shard_pass.rewrite_eqn(prog.eqns[i], ctx))
+        jaxpr = _compat.make_jaxpr_obj(ins, outs, eqns, name)
+        same_work[work] = hit = (
+            jaxpr,
+            _compat.jaxpr_fingerprint(jaxpr),
+            compiling.embedded_placements(jaxpr),
+        )
+        return hit
 
     def _input_step(
         self,
