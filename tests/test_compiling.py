@@ -916,3 +916,120 @@ def test_stages_differing_only_in_nested_constants_do_not_share_an_executable():
     mesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
     x = jnp.linspace(-1, 1, 16, dtype=jnp.float32).reshape(4, 4)
     np.testing.assert_array_equal(mm.jit(f, mesh=mesh)(x), jax.jit(f)(x))
+
+
+def _two_stages():
+    return mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+
+
+def _same(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(
+            np.asarray(a).view(np.uint8) if a.dtype != bool else a,
+            np.asarray(b).view(np.uint8) if b.dtype != bool else b,
+        )
+
+
+def test_equation_context_keys_the_executable():
+    """Two stages' programs that differ only in ``jax.threefry_partitionable`` (kept in
+    each equation's context, not its parameters) are two executables."""
+
+    def f(x):
+        with mm.task("a", stage=0):
+            with jax.threefry_partitionable(False):
+                y = x + jax.random.normal(jax.random.key(0), (4, 4))
+        with mm.task("b", stage=1):
+            with jax.threefry_partitionable(True):
+                z = x + jax.random.normal(jax.random.key(0), (4, 4))
+        return y, z
+
+    x = jnp.zeros((4, 4))
+    _same(mm.jit(f, mesh=_two_stages())(x), jax.jit(f)(x))
+
+
+def test_callbacks_differing_in_hidden_state_are_two_executables():
+    """Callbacks are keyed by identity: two partials over tables that print alike."""
+    import functools
+
+    def add_table(table, v):
+        return (np.asarray(v) + table[1000]).astype(np.float32)
+
+    t1, t2 = np.zeros(2000, np.float32), np.zeros(2000, np.float32)
+    t2[1000] = 5.0
+    cb1, cb2 = functools.partial(add_table, t1), functools.partial(add_table, t2)
+    assert repr(cb1) == repr(cb2)
+
+    def pc(cb, v):
+        return jax.pure_callback(cb, jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+
+    def f(x):
+        with mm.task("a", stage=0):
+            y = jnp.sin(pc(cb1, x))
+        with mm.task("b", stage=1):
+            y2 = jnp.cos(y)
+        with mm.task("c", stage=0):
+            return jnp.sin(pc(cb2, y2))
+
+    x = jnp.arange(16.0).reshape(4, 4) / 10
+    np.testing.assert_allclose(mm.jit(f, mesh=_two_stages())(x), jax.jit(f)(x), rtol=1e-6)
+
+
+def test_nested_jit_closing_over_a_key_and_nan_literals():
+    """A nested jit's PRNG-key constant is fingerprinted by its key data (it crashed);
+    NaN literals by their bits (+nan, -nan and payloads print alike)."""
+    key = jax.random.key(1)
+
+    @jax.jit
+    def noisy(v):
+        return v + jax.random.normal(key, v.shape)
+
+    def f(x):
+        with mm.task("a", stage=0):
+            y = noisy(x)
+        with mm.task("b", stage=1):
+            return y * 2
+
+    x = jnp.zeros((4, 4))
+    _same(mm.jit(f, mesh=_two_stages())(x), jax.jit(f)(x))
+
+    nans = [np.float32(np.nan), -np.float32(np.nan), np.uint32(0x7FC00123).view(np.float32)]
+
+    def g(x):
+        outs = []
+        for i, n in enumerate(nans[1:]):
+            with mm.task(f"s{i}", stage=i):
+                outs.append(jax.lax.bitcast_convert_type(jnp.where(x > 1, x, n), jnp.uint32))
+        with mm.task("s0", stage=0):
+            outs.append(jax.lax.bitcast_convert_type(jnp.where(x > 1, x, nans[0]), jnp.uint32))
+        return outs
+
+    _same(mm.jit(g, mesh=_two_stages())(x), jax.jit(g)(x))
+
+
+def test_jax_settings_key_the_call_cache():
+    """As jax.jit: a change of threefry_partitionable, dtype promotion or x64 retraces."""
+    mesh = _two_stages()
+
+    def f(x):
+        with mm.task("a", stage=0):
+            y = x + jax.random.normal(jax.random.PRNGKey(0), (4, 4))
+        with mm.task("b", stage=1):
+            return y * 2
+
+    x = jnp.zeros((4, 4))
+    mf = mm.jit(f, mesh=mesh)
+    _same(mf(x), jax.jit(f)(x))
+    with jax.threefry_partitionable(not jax.config.jax_threefry_partitionable):
+        _same(mf(x), jax.jit(f)(x))
+
+    def g(x):
+        with mm.task("a", stage=0):
+            y = x.astype(jnp.bfloat16) + jnp.ones((4, 4), jnp.float16)
+        with mm.task("b", stage=1):
+            return y * 2
+
+    mg = mm.jit(g, mesh=mesh)
+    assert mg(x).dtype == jax.jit(g)(x).dtype
+    with jax.numpy_dtype_promotion("strict"), pytest.raises(jax.dtypes.TypePromotionError):
+        mg(x)

@@ -464,3 +464,24 @@ def test_two_dependent_microbatch_loops_in_one_step():
     got = mm.jit(step, mesh=mmesh)(ws, state, x, y)
     assert_close(got, reference(step, mmesh, ws, state, x, y), rtol=1e-5, atol=1e-6)
     assert [stage_of(w, mmesh) for w in got[0]] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("M", [1, 2])
+def test_summing_keys_over_microbatches_fails_as_the_reference(M):
+    """A PRNG key output with reduce="sum" is the reference's TypeError, also for one
+    microbatch (it was returned unsummed)."""
+    mesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    w, x = jnp.eye(4), jnp.ones((8, 4))
+
+    def fk(w, x):
+        with mm.task("a", stage=0):
+            s = jnp.sum(x @ w)
+        return s, jax.random.key(1)
+
+    def step(w, x):
+        return mm.microbatch(fk, M, argnums=1, reduce="sum")(w, x)
+
+    with pytest.raises(TypeError, match="add does not accept"):
+        jax.jit(step)(w, x)
+    with pytest.raises(TypeError, match="add does not accept"):
+        mm.jit(step, mesh=mesh)(w, x)

@@ -400,3 +400,108 @@ def test_out_shardings_single_device_sharding():
     out = mm.jit(f, mesh=mmesh, out_shardings=shs)(X)
     assert_close(out, reference(f, mmesh, X))
     assert [{d.id for d in o.sharding.device_set} for o in out] == [{1}, {0}]
+
+
+def _weak_two_stage_mesh(shape=(2, 2), names=("stage", "model")):
+    return mm.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
+
+
+def _types(outs):
+    return [(str(o.dtype), o.weak_type, o.shape) for o in outs]
+
+
+def test_outputs_keep_the_programs_weak_types():
+    """Outputs assembled over several submeshes, replicated by out_shardings, or an
+    argument passed through keep jax.jit's weak types (they came back strongly typed:
+    ``bf16 * out`` then promoted to float32)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = _weak_two_stage_mesh()
+    w, h = jnp.full((4,), 2.0), jnp.ones((4,), jnp.bfloat16)
+    assert w.weak_type
+
+    def f(w, h):
+        with mm.task("a", stage=0):
+            c = w * 3
+        with mm.task("b", stage=1):
+            z = h * w
+        return w, c, z
+
+    assert _types(mm.jit(f, mesh=mesh)(w, h)) == _types(jax.jit(f)(w, h))
+    repl = NamedSharding(mesh.mesh, PartitionSpec())
+    got = mm.jit(f, mesh=mesh, out_shardings=repl)(w, h)
+    assert _types(got) == _types(jax.jit(f, out_shardings=repl)(w, h))
+    assert (h * got[0]).dtype == jnp.bfloat16
+
+    def g(step, x):
+        lr = 0.1 * (step + 1)  # weakly typed, used on both stages
+        with mm.task("a", stage=0):
+            a = x * lr
+        with mm.task("b", stage=1):
+            b = a + lr
+        return b, lr
+
+    step, x = jnp.int32(3), jnp.ones((4,), jnp.bfloat16)
+    assert _types(mm.jit(g, mesh=mesh)(step, x)) == _types(jax.jit(g)(step, x))
+
+
+def test_compiled_returns_a_passed_through_argument_with_the_compiled_type():
+    mesh = _weak_two_stage_mesh((2,), ("stage",))
+    h = jnp.ones((4,), jnp.bfloat16)
+
+    def f(x, h):
+        with mm.task("a", stage=0):
+            y = h * 2
+        with mm.task("b", stage=1):
+            return y * x, x
+
+    for compiled_with, called_with in [
+        (jnp.float32(2), jnp.asarray(2.0)),
+        (jnp.asarray(2.0), jnp.float32(2)),
+    ]:
+        want = jax.jit(f).lower(compiled_with, h).compile()(called_with, h)
+        got = mm.jit(f, mesh=mesh).lower(compiled_with, h).compile()(called_with, h)
+        assert _types(got) == _types(want)
+
+
+def test_replicated_out_shardings_on_a_one_axis_multimesh():
+    """``NamedSharding(mmesh.mesh, P())`` on a mesh with only the stage axis (crashed)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = _weak_two_stage_mesh((2,), ("stage",))
+
+    def f(x):
+        with mm.task("a", stage=0):
+            a = x * 2
+        with mm.task("b", stage=1):
+            b = a + 1
+        return b, a, jax.random.key(3)
+
+    x = jnp.ones((4, 4))
+    repl = NamedSharding(mesh.mesh, PartitionSpec())
+    got = mm.jit(f, mesh=mesh, out_shardings=repl)(x)
+    want = jax.jit(f, out_shardings=repl)(x)
+    for a, b in zip(got[:2], want[:2]):
+        np.testing.assert_array_equal(a, b)
+        assert a.sharding.is_equivalent_to(repl, a.ndim)
+    np.testing.assert_array_equal(jax.random.key_data(got[2]), jax.random.key_data(want[2]))
+
+
+def test_literal_outputs_placed_on_different_submeshes():
+    """Constant outputs whose out_shardings name different submeshes (one executable
+    for all of them failed: JAX's incompatible devices)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = _weak_two_stage_mesh((2,), ("stage",))
+    s0 = NamedSharding(mesh.submesh(0), PartitionSpec())
+    s1 = NamedSharding(mesh.submesh(1), PartitionSpec())
+
+    def f(x):
+        with mm.task("a", stage=0):
+            a = x * 2
+        return a, 1.0, 2.0
+
+    got = mm.jit(f, mesh=mesh, out_shardings=(None, s0, s1))(jnp.ones(4))
+    assert [sorted(d.id for d in o.sharding.device_set) for o in got] == [[0], [0], [1]]
+    assert [float(o) for o in got[1:]] == [1.0, 2.0]
+    assert _types(got) == _types(jax.jit(f)(jnp.ones(4)))

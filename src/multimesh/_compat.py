@@ -294,9 +294,26 @@ def _device_ids(v: Any) -> tuple[Any, ...]:
     return tuple(sorted(d.id for d in v.device_set))
 
 
+#: parameters of custom-derivative calls that only differentiation reads (lowering runs
+#: ``call_jaxpr``): a new object per trace, so they do not key the compiled program
+_AD_ONLY = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bwd", "out_trees"})
+
+
+def _value_token(v: Any) -> Any:
+    """An array or scalar by its bytes (its text elides large arrays, and every NaN
+    prints as ``nan``)."""
+    dtype = getattr(v, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return ("keys", str(dtype), _value_token(jax.random.key_data(v)))
+    a = np.asarray(v)
+    return ("array", a.shape, str(a.dtype), hashlib.blake2b(a.tobytes(), digest_size=16).digest())
+
+
 def _param_token(v: Any, memo: dict[Any, Any]) -> Any:
-    if v is None or isinstance(v, (bool, int, float, str)):
+    if v is None or isinstance(v, (bool, int, str)):
         return v
+    if isinstance(v, float):
+        return v if v == v else _value_token(v)  # NaNs by their bits
     if memo["devices"] and isinstance(
         v, (jax.sharding.Sharding, jax.sharding.Mesh, jax.Device)
     ):
@@ -310,10 +327,12 @@ def _param_token(v: Any, memo: dict[Any, Any]) -> Any:
         return _jaxpr_token(v, memo)
     if isinstance(v, dict):
         return ("dict", *sorted((str(k), _param_token(x, memo)) for k, x in v.items()))
-    if isinstance(v, (np.ndarray, np.generic, jax.Array)):  # by value (text elides)
-        a = np.asarray(v)
-        digest = hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()
-        return ("array", a.shape, str(a.dtype), digest)
+    if isinstance(v, (np.ndarray, np.generic, jax.Array)):
+        return _value_token(v)
+    if callable(v) and not isinstance(v, type):
+        # a Python callback: by identity (its text may hide its state). The traced
+        # program that holds it is kept as long as executables keyed by it are.
+        return ("callable", type(v).__name__, id(v))
     return (type(v).__name__, str(v))
 
 
@@ -322,6 +341,7 @@ def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
     if hit is not None and hit[0] is jaxpr:
         return hit[1]
     ids: dict[Any, int] = {}
+    contexts: dict[int, str] = memo.setdefault("contexts", {})
 
     def bind(v: Any) -> str:
         ids[v] = len(ids)
@@ -329,11 +349,23 @@ def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
 
     def ref(v: Any) -> Any:
         if isinstance(v, Literal):
-            return ("lit", str(v.val), _aval_token(v.aval))
+            return ("lit", _value_token(v.val), _aval_token(v.aval))
         k = ids.get(v)
         if k is None:  # free variable
             return ("free", bind(v))
         return k
+
+    def context(e: Any) -> str | None:
+        # the equation's context (threefry_partitionable, compute_type, XLA metadata)
+        # changes its lowering; contexts are interned: one text each
+        c = getattr(e, "ctx", None)
+        if c is None:
+            return None
+        text = contexts.get(id(c))
+        if text is None:
+            text = contexts[id(c)] = repr(c)
+            memo.setdefault("keep", []).append(c)
+        return text
 
     head = (
         tuple(bind(v) for v in jaxpr.constvars),
@@ -342,12 +374,18 @@ def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
     eqns = []
     for e in jaxpr.eqns:
         ins = tuple(ref(v) for v in e.invars)
-        params = tuple(sorted((k, _param_token(x, memo)) for k, x in e.params.items()))
+        custom = e.primitive.name.startswith("custom_")
+        params = tuple(
+            sorted(
+                (k, "ad-only" if custom and k in _AD_ONLY else _param_token(x, memo))
+                for k, x in e.params.items()
+            )
+        )
         outs = tuple(
             ("drop", _aval_token(v.aval)) if isinstance(v, DropVar) else bind(v)
             for v in e.outvars
         )
-        eqns.append((e.primitive.name, ins, params, outs))
+        eqns.append((e.primitive.name, ins, params, outs, context(e)))
     token = (head, tuple(eqns), tuple(ref(v) for v in jaxpr.outvars))
     memo[id(jaxpr)] = (jaxpr, token)
     return token
@@ -373,6 +411,21 @@ try:  # the concrete jax.Array class (a C++ type): an exact type check is cheap
     from jax._src.array import ArrayImpl as ARRAY_TYPE
 except ImportError:  # pragma: no cover - another jax: no fast path
     ARRAY_TYPE = type(None)
+
+
+def with_weak_type(x: jax.Array, weak: bool) -> jax.Array:
+    """``x`` typed weakly or strongly as ``weak`` says, on the same buffers (no copy):
+    arrays assembled from pieces, or an argument passed through, carry the type the
+    program gave its output (as ``jax.jit``'s outputs do)."""
+    if type(x) is not ARRAY_TYPE or x.weak_type == weak:  # PRNG keys are never weak
+        return x
+    return ARRAY_TYPE(
+        x.aval.update(weak_type=weak),
+        x.sharding,
+        x._arrays,  # type: ignore[attr-defined]
+        committed=x.committed,  # type: ignore[attr-defined]
+        _skip_checks=True,
+    )
 
 
 def same_layout_as(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
@@ -423,6 +476,14 @@ def fresh_copy(xs: Sequence[jax.Array]) -> list[jax.Array]:
         if out[k] is x:  # PRNG keys: no shard-wise copy of extended dtypes
             out[k] = jax.device_put(x, x.sharding, may_alias=False)
     return out
+
+
+def trace_context() -> Any:
+    """The JAX settings a trace depends on (``jax_enable_x64``, dtype promotion,
+    ``threefry_partitionable``, ...): part of ``jax.jit``'s cache key, and of ours."""
+    from jax._src import config as _config
+
+    return _config.trace_context()
 
 
 def eqn_context_mesh(eqn: Any) -> Any:

@@ -283,7 +283,8 @@ class MpmdFunction:
         call = self._signature.normalize(args, kwargs)
         flat, in_tree = self._flatten(call)
         keys = self._keys(call, flat)
-        key = (in_tree, call.static, self._mesh_key(), tuple(keys))
+        # JAX's settings too (x64, dtype promotion, threefry_partitionable): as jax.jit
+        key = (in_tree, call.static, self._mesh_key(), tuple(keys), _compat.trace_context())
         return call, flat, in_tree, keys, key
 
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
@@ -355,8 +356,8 @@ class MpmdFunction:
 
 def _abstract(key: Hashable) -> Hashable:
     """The part of a signature that tracing depends on (no placements)."""
-    in_tree, static, mesh_key, keys = key  # type: ignore[misc]
-    return (in_tree, static, mesh_key, tuple(k[:3] for k in keys))
+    in_tree, static, mesh_key, keys, settings = key  # type: ignore[misc]
+    return (in_tree, static, mesh_key, tuple(k[:3] for k in keys), settings)
 
 
 def _is_spec(x: Any) -> bool:

@@ -261,7 +261,11 @@ def _strong(x: Any) -> Any:
     if x is None:
         return None
     a = jnp.asarray(x)
-    return x if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) else a.astype(a.dtype)
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):
+        # PRNG keys cannot be summed: the same TypeError as the reference's sum
+        jax.eval_shape(jax.lax.add, a, a)
+        return x
+    return a.astype(a.dtype)
 
 
 def _zeros(x: Any) -> Any:

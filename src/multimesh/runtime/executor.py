@@ -376,6 +376,7 @@ class Executable:
                     shape,
                     self._stage_axis,
                     slot_var[ids[0]].aval.dtype,
+                    getattr(slot_var[ids[0]].aval, "weak_type", False),
                 )
             )
         self._literal_pos = [k for k, _v, _a in literals]
@@ -712,8 +713,11 @@ class Executable:
             for i, f in zip(idxs, fix):
                 x = outs[i] if f is None else jax.device_put(outs[i], f)
                 parts.extend(_compat.single_device_arrays(x))
-            outs[k] = jax.make_array_from_single_device_arrays(
-                shape, gsh, parts, dtype=outs[idxs[0]].dtype
+            outs[k] = _compat.with_weak_type(
+                jax.make_array_from_single_device_arrays(
+                    shape, gsh, parts, dtype=outs[idxs[0]].dtype
+                ),
+                outs[idxs[0]].weak_type,
             )
         for k in self._dup_outputs:
             outs[k] = _compat.fresh_copy([outs[k]])[0]

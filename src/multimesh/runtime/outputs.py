@@ -73,7 +73,7 @@ def resolve(
         per: dict[int, NamedSharding] = {}
         by_devs = {frozenset(t.device_ids): t for t in targets}
         for j in range(s.mesh.devices.shape[dim]):
-            sub = np.take(s.mesh.devices, j, axis=dim)
+            sub = np.asarray(np.take(s.mesh.devices, j, axis=dim))  # 0-d on a 1-D mesh
             t = by_devs.get(frozenset(int(d.id) for d in sub.flat))
             if t is None:
                 break
@@ -95,10 +95,27 @@ def output_fn(
     shape: tuple[int, ...],
     stage_axis: str,
     dtype: Any = None,
+    weak: bool = False,
 ) -> Callable[[list[Any]], jax.Array]:
     """A function env -> the output array for the value held in slots ``ids`` (in a
     multi-process run, slots on other processes' submeshes are empty: their part of the
-    output is a global array with no local shard)."""
+    output is a global array with no local shard), weakly typed as ``weak`` says."""
+    fn = _output_fn(ids, req, slot_sh, slot_stage, borrowed, shape, stage_axis, dtype)
+    if len(ids) == 1 and req.final is None and not req.replicate and ids[0] not in borrowed:
+        return fn  # a fragment's output: the program's own type
+    return lambda env: _compat.with_weak_type(fn(env), weak)
+
+
+def _output_fn(
+    ids: Sequence[int],
+    req: Request,
+    slot_sh: dict[int, jax.sharding.Sharding],
+    slot_stage: dict[int, int],
+    borrowed: set[int],
+    shape: tuple[int, ...],
+    stage_axis: str,
+    dtype: Any,
+) -> Callable[[list[Any]], jax.Array]:
     reshard = [(i, req.per_stage.get(slot_stage[i])) for i in ids]
     reshard = [(i, d if d is not None and d != slot_sh[i] else None) for i, d in reshard]
     fresh = [i not in borrowed for i in ids]
@@ -189,13 +206,15 @@ def literal_fn(
     requests: Sequence[Request],
     loc: Any = None,
 ) -> Callable[[], list[jax.Array]]:
-    """One small executable that makes every literal output fresh on each call, with its
-    dtype and weak type, where ``out_shardings`` (or the first submesh) puts it."""
+    """Small executables (one per device set) that make every literal output fresh on
+    each call, with its dtype and weak type, where ``out_shardings`` (or the first
+    submesh) puts it."""
     if not literals:
         return lambda: []
+    groups: dict[tuple[int, ...], list[int]] = {}  # device set -> positions in literals
     vals = []
     shs = []
-    for k, val, aval in literals:
+    for n, (k, val, aval) in enumerate(literals):
         arr = np.asarray(val, dtype=aval.dtype) if not _is_key(aval) else val
         if getattr(aval, "weak_type", False) and arr.shape == ():
             vals.append(arr.item())  # a Python scalar traces as a weak-typed value
@@ -203,17 +222,47 @@ def literal_fn(
             vals.append(arr)
         req = requests[k]
         sh = req.final if req.final is not None else req.per_stage.get(0, default)
-        shs.append(sh if isinstance(sh, jax.sharding.Sharding) else default)
+        sh = sh if isinstance(sh, jax.sharding.Sharding) else default
+        shs.append(sh)
+        groups.setdefault(tuple(sorted(d.id for d in sh.device_set)), []).append(n)
 
+    makers = []
+    for members in groups.values():
+        g_vals = tuple(vals[n] for n in members)
+        g_shs = tuple(shs[n] for n in members)
+        if loc is not None and not any(loc.has(sh.device_set) for sh in g_shs):
+            avals = [literals[n][2] for n in members]
+            makers.append(
+                (
+                    members,
+                    lambda avals=avals, g_shs=g_shs: [
+                        _remote(tuple(a.shape), sh, a.dtype) for a, sh in zip(avals, g_shs)
+                    ],
+                )
+            )
+            continue
+        with _compat.no_mesh_context():
+            compiled = jax.jit(_constant(g_vals), out_shardings=g_shs).lower().compile()
+        makers.append((members, compiled))
+    if len(makers) == 1:
+        make = makers[0][1]
+        return lambda: list(make())
+
+    def make_all() -> list[jax.Array]:
+        out: list[Any] = [None] * len(literals)
+        for members, make in makers:
+            for n, x in zip(members, make()):
+                out[n] = x
+        return out
+
+    return make_all
+
+
+def _constant(vals: tuple[Any, ...]) -> Callable[[], tuple[Any, ...]]:
     def make() -> tuple[Any, ...]:
-        return tuple(vals)
+        return vals
 
-    if loc is not None and not any(loc.has(sh.device_set) for sh in shs):
-        avals = [a for _k, _v, a in literals]
-        return lambda: [_remote(tuple(a.shape), sh, a.dtype) for a, sh in zip(avals, shs)]
-    with _compat.no_mesh_context():
-        compiled = jax.jit(make, out_shardings=tuple(shs)).lower().compile()
-    return lambda: list(compiled())
+    return make
 
 
 def _is_key(aval: Any) -> bool:
