@@ -7,6 +7,7 @@ import pytest
 from conftest import assert_close, mlp_loss, reference, stage_of
 
 import multimesh as mm
+from multimesh import _compat
 
 P = jax.sharding.PartitionSpec
 
@@ -254,6 +255,31 @@ def test_a_donated_array_passed_twice_is_an_error(mesh4x2):
             g.lower(a, a).compile()(a, a)
         assert not a.is_deleted()
     np.testing.assert_allclose(g(a, jnp.ones((4, 8))), 3.0)  # distinct arrays: fine
+
+
+def test_a_donated_array_aliased_by_another_argument_is_an_error(mesh4x2):
+    """A different array object on the donated array's buffers (``jax.device_put`` to
+    an equivalent sharding aliases them) is the same error, not a crash of JAX's
+    runtime (``jax.jit`` segfaults here)."""
+    from jax.sharding import Mesh, NamedSharding
+
+    def f(a, b):
+        with mm.task("a", stage=0):
+            return a * 2 + b
+
+    sub0 = mesh4x2.submesh(0)
+    x = jax.device_put(jnp.ones((4,)), NamedSharding(sub0, P()))
+    y = jax.device_put(x, NamedSharding(Mesh(sub0.devices, ("other",)), P()))
+    if not set(_compat.buffer_pointers(x)) & set(_compat.buffer_pointers(y)):
+        pytest.skip("this JAX copies instead of aliasing")
+    assert y is not x
+    for donate, match in ((0, "argument a is donated .* also passed as b"), (1, "argument b")):
+        g = mm.jit(f, mesh=mesh4x2, donate_argnums=donate)
+        with pytest.raises(ValueError, match=match):
+            g(x, y)
+        assert not x.is_deleted() and not y.is_deleted()
+    z = jnp.ones((4,))  # same shape, other buffers: fine
+    np.testing.assert_allclose(mm.jit(f, mesh=mesh4x2, donate_argnums=0)(x, z), 3.0)
 
 
 def test_passthrough_and_literal_outputs(mesh4x2):

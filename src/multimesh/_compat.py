@@ -428,6 +428,16 @@ def with_weak_type(x: jax.Array, weak: bool) -> jax.Array:
     )
 
 
+def buffer_pointers(x: jax.Array) -> set[int]:
+    """The addresses of ``x``'s local buffers (two arrays sharing one alias it)."""
+    if type(x) is not ARRAY_TYPE:
+        return set()
+    try:
+        return {a.unsafe_buffer_pointer() for a in x._arrays}  # type: ignore[attr-defined]
+    except Exception:  # deleted, or a backend without pointers
+        return set()
+
+
 def same_layout_as(x: jax.Array, sharding: jax.sharding.Sharding) -> bool:
     """Whether ``x``'s buffers, in order, are ``sharding``'s layout of ``x`` (so an array
     of them with that sharding needs no copy): same devices in the same order, equivalent

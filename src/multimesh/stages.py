@@ -427,20 +427,46 @@ class Compiled(_ArgsInfo):
         """A donated array passed again as another argument (``f(a, a)`` with the first
         donated) is an error, as under jax.jit (the runtime would crash on it)."""
         ids = [id(x) for x in flat]
-        if len(set(ids)) == len(ids):
-            return
+        if len(set(ids)) != len(ids):
+            for i in sorted(self._donated):
+                if not isinstance(flat[i], jax.Array):
+                    continue
+                j = next((j for j, k in enumerate(ids) if k == ids[i] and j != i), None)
+                if j is not None:
+                    self._donated_twice(i, j, "the same array")
+        # another array object on the same buffers (jax.device_put to an equivalent
+        # sharding aliases): the runtime would crash (jax.jit's too). Only arrays of one
+        # shape and dtype can share buffers, so most calls compare no pointers
+        shapes: dict[Any, list[int]] = {}
+        for j, x in enumerate(flat):
+            if type(x) is _compat.ARRAY_TYPE:
+                a = x.aval
+                shapes.setdefault((a.shape, a.dtype), []).append(j)
+        seen: set[Any] = set()
         for i in sorted(self._donated):
-            if not isinstance(flat[i], jax.Array):
+            x = flat[i]
+            a = x.aval if type(x) is _compat.ARRAY_TYPE else None
+            key = (a.shape, a.dtype) if a is not None else None
+            group = shapes.get(key, ()) if key is not None else ()
+            if len(group) < 2 or key in seen:
                 continue
-            j = next((j for j, k in enumerate(ids) if k == ids[i] and j != i), None)
-            if j is not None:
-                names = self._arg_names()
-                raise ValueError(
-                    f"argument {names[i]} is donated (donate_argnums/donate_argnames) and the "
-                    f"same array is also passed as {names[j]}: a donated buffer cannot be "
-                    "used twice in one call (jax.jit raises INVALID_ARGUMENT here). Pass a "
-                    "copy (jnp.copy) for one of them, or do not donate it."
-                )
+            seen.add(key)  # each group once: who holds each buffer, then the donated
+            holder: dict[int, int] = {}
+            for j in group:
+                for p in _compat.buffer_pointers(flat[j]):
+                    k = holder.setdefault(p, j)
+                    if k != j and (j in self._donated or k in self._donated):
+                        d, o = (j, k) if j in self._donated else (k, j)
+                        self._donated_twice(d, o, "an array sharing its buffers")
+
+    def _donated_twice(self, i: int, j: int, what: str) -> None:
+        names = self._arg_names()
+        raise ValueError(
+            f"argument {names[i]} is donated (donate_argnums/donate_argnames) and {what} "
+            f"is also passed as {names[j]}: a donated buffer cannot be used twice in one "
+            "call (jax.jit raises INVALID_ARGUMENT or crashes here). Pass a copy (jnp.copy) "
+            "for one of them, or do not donate it."
+        )
 
     def record(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Run once and return ``(outputs, timeline)``: a measured
