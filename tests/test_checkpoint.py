@@ -175,3 +175,72 @@ def test_killed_during_save_restores_previous_step(tmp_path):
     assert np.all(np.asarray(r["w"]) == 1.0)
 
 
+
+
+def test_keys_weak_types_and_strings_round_trip(mesh4x2, tmp_path):
+    """Typed PRNG keys (saved as their key data) restore as keys on the target's
+    sharding, weakly typed scalars stay weak, strings come back (each failed before)."""
+    sh = NamedSharding(mesh4x2.submesh(1), P())
+    state = {
+        "w": jax.device_put(jnp.ones(4, jnp.bfloat16), sh),
+        "rng": jax.device_put(jax.random.split(jax.random.key(7), 3), sh),
+        "lr": jax.device_put(jnp.asarray(0.5), sh),
+        "tag": "run-7",
+    }
+    assert state["lr"].weak_type
+    mm.checkpoint.save(tmp_path / "c", state)
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=a.sharding, weak_type=getattr(a, "weak_type", False)
+        )
+        if isinstance(a, jax.Array)
+        else a,
+        state,
+    )
+    for target in (state, abstract):
+        got = mm.checkpoint.restore(tmp_path / "c", target)
+        assert got["tag"] == "run-7"
+        assert jax.dtypes.issubdtype(got["rng"].dtype, jax.dtypes.prng_key)
+        np.testing.assert_array_equal(
+            jax.random.key_data(got["rng"]), jax.random.key_data(state["rng"])
+        )
+        assert got["rng"].sharding.is_equivalent_to(sh, 1)
+        assert got["lr"].weak_type and got["lr"].dtype == jnp.float32
+        assert (got["w"] * got["lr"]).dtype == jnp.bfloat16
+
+
+def test_manager_refuses_what_it_would_lose(tmp_path):
+    """Numbered folders that are not checkpoints (pruning deleted them, saves were
+    refused), a step older than the latest (silently dropped), a non-integer step
+    (invisible after a restart), and in-flight saves counted as complete steps."""
+    foreign = tmp_path / "foreign"
+    (foreign / "7").mkdir(parents=True)
+    (foreign / "7" / "results.csv").write_text("user data")
+    with pytest.raises(ValueError, match=r"numbered folders that are not checkpoints \(\['7'\]\)"):
+        mm.checkpoint.CheckpointManager(foreign, max_to_keep=1)
+    assert (foreign / "7" / "results.csv").exists()
+
+    d = tmp_path / "ck"
+    with mm.checkpoint.CheckpointManager(d) as m:
+        for s in (1, 2, 3):
+            assert m.save(s, {"w": jnp.full(2, float(s))})
+            assert m.latest_step() in (None, *range(1, s + 1))  # in flight: not a step
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 2, 3] and m.latest_step() == 3
+        assert all(type(s) is int for s in m.all_steps())
+        with pytest.raises(TypeError, match="must be an int"):
+            m.save(4.0, {"w": jnp.zeros(2)})
+        with pytest.raises(ValueError, match=r"step 2 is older .* for each of \[3\]"):
+            m.save(2, {"w": jnp.zeros(2)})
+        assert not m.save(3, {"w": jnp.zeros(2)})  # the same step again: nothing to do
+        m.delete(3)
+        assert m.save(np.int64(3), {"w": jnp.full(2, 30.0)})
+        m.wait_until_finished()
+        got = m.restore(target={"w": jnp.zeros(2)})
+    np.testing.assert_array_equal(got["w"], [30.0, 30.0])
+
+
+def test_container_mismatch_is_not_called_corruption(tmp_path):
+    mm.checkpoint.save(tmp_path / "a", [jnp.ones(2), jnp.zeros(2)])
+    with pytest.raises(ValueError, match="containers of other kinds"):
+        mm.checkpoint.restore(tmp_path / "a", {"0": jnp.ones(2), "1": jnp.zeros(2)})

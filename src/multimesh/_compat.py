@@ -488,6 +488,11 @@ def fresh_copy(xs: Sequence[jax.Array]) -> list[jax.Array]:
     return out
 
 
+def key_impl(dtype: Any) -> Any:
+    """The PRNG implementation of a typed key dtype (for ``jax.random.wrap_key_data``)."""
+    return dtype._impl  # noqa: SLF001
+
+
 def trace_context() -> Any:
     """The JAX settings a trace depends on (``jax_enable_x64``, dtype promotion,
     ``threefry_partitionable``, ...): part of ``jax.jit``'s cache key, and of ours."""

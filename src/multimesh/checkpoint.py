@@ -51,10 +51,35 @@ def _ocp() -> Any:
     return ocp
 
 
+def _is_key(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def _key_data_struct(x: Any) -> jax.ShapeDtypeStruct:
+    """What a typed PRNG key leaf is stored as: its key data (uint32, a trailing axis)."""
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (data.ndim - len(tuple(sharding.spec)))
+        sharding = jax.sharding.NamedSharding(
+            sharding.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=sharding.memory_kind
+        )
+    elif sharding is not None and not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        raise ValueError(
+            f"restoring a PRNG key array into a {type(sharding).__name__} is not supported: "
+            "give its target a NamedSharding or a single device"
+        )
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
+
+
 def _abstract(target: Any) -> Any:
-    """The target as Orbax restore arguments: arrays keep their shardings."""
+    """The target as Orbax restore arguments: arrays keep their shardings; typed PRNG
+    keys are their key data (what Orbax stores)."""
 
     def leaf(x: Any) -> Any:
+        if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) and _is_key(x):
+            return _key_data_struct(x)
         if isinstance(x, jax.Array):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
         if isinstance(x, jax.ShapeDtypeStruct):
@@ -66,11 +91,33 @@ def _abstract(target: Any) -> Any:
     return jax.tree.map(leaf, target)
 
 
+def _as_target(got: Any, target: Any) -> Any:
+    """Restored leaves typed as the target's: PRNG keys wrapped again, weak types kept
+    (Orbax stores neither)."""
+
+    def leaf(g: Any, x: Any) -> Any:
+        if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+            return g
+        if _is_key(x):
+            if _is_key(g):  # Orbax wrapped it itself
+                return g
+            if isinstance(g, np.ndarray):
+                g = jax.numpy.asarray(g)
+            return jax.random.wrap_key_data(g, impl=_compat.key_impl(x.dtype))
+        if isinstance(g, jax.Array) and getattr(x, "weak_type", False):
+            return _compat.with_weak_type(g, True)
+        return g
+
+    return jax.tree.map(leaf, got, target)
+
+
 def _restore_arg(ocp: Any, x: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct) and isinstance(x.sharding, jax.sharding.Sharding):
         return ocp.ArrayRestoreArgs(
             sharding=x.sharding, global_shape=tuple(x.shape), dtype=x.dtype, strict=True
         )
+    if isinstance(x, str):
+        return ocp.RestoreArgs(restore_type=str)
     return ocp.RestoreArgs(restore_type=np.ndarray)
 
 
@@ -175,8 +222,8 @@ def _restore(restore_fn: Any, target: Any) -> Any:
     )
     got = restore_fn(ocp.args.PyTreeRestore(item=item, restore_args=restore_args))
     if not any(jax.tree.leaves(skipped)):
-        return got
-    return jax.tree.map(
+        return _as_target(got, target)
+    got = jax.tree.map(
         lambda g, x, s: (
             jax.make_array_from_single_device_arrays(x.shape, x.sharding, [], dtype=x.dtype)
             if s
@@ -187,6 +234,7 @@ def _restore(restore_fn: Any, target: Any) -> Any:
         skipped,
         is_leaf=lambda v: v is ocp.PLACEHOLDER,
     )
+    return _as_target(got, target)
 
 
 def _meta_tree(meta: Any) -> Any:
@@ -235,6 +283,13 @@ def check_compatible(meta: Any, target: Any, where: str) -> None:
     wrong = []
     for k in sorted(set(saved) & set(want)):
         s, w = saved[k], want[k]
+        s_arr, w_arr = hasattr(s, "shape"), hasattr(w, "shape")
+        if not (s_arr and w_arr):  # a string (or other non-array) leaf
+            if s_arr != w_arr:
+                have = "an array" if s_arr else "a non-array value (a string?)"
+                wanted = "an array" if w_arr else f"a {type(w).__name__}"
+                wrong.append(f"{k}: {have} in the checkpoint, {wanted} wanted")
+            continue
         if tuple(s.shape) != tuple(w.shape):
             wrong.append(f"{k}: shape {tuple(s.shape)} in the checkpoint, {tuple(w.shape)} wanted")
         elif np.dtype(s.dtype) != np.dtype(w.dtype):
@@ -249,6 +304,13 @@ def check_compatible(meta: Any, target: Any, where: str) -> None:
             parts.append(f"in the checkpoint but not in the target: {_listed(extra)}")
         parts += wrong[:12] + ([f"and {len(wrong) - 12} more"] if len(wrong) > 12 else [])
         raise ValueError(f"checkpoint {where} does not match the target: " + "; ".join(parts))
+
+
+#: what makes a restore fail after the keys, shapes and dtypes matched
+_WHY = (
+    " (containers of other kinds than the checkpoint's, e.g. a list saved and a dict "
+    "wanted; a sharding that does not divide an array; or a damaged checkpoint)"
+)
 
 
 def save(
@@ -284,7 +346,34 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
         try:
             return _restore(lambda args: ck.restore(path, args=args), target)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"checkpoint {path} could not be restored (corrupt?): {e}") from e
+            raise ValueError(f"checkpoint {path} could not be restored into the target{_WHY}: {e}") from e
+
+
+def _step_number(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise TypeError(f"a checkpoint step must be an int, got {step!r}")
+    if step < 0:
+        raise ValueError(f"a checkpoint step must be >= 0, got {step}")
+    return int(step)
+
+
+#: files an Orbax step directory holds (any one is enough)
+_STEP_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt", "_METADATA")
+
+
+def _foreign_steps(directory: Path) -> list[str]:
+    """Integer-named folders in ``directory`` that are not Orbax steps."""
+    if not directory.is_dir():
+        return []
+    out = []
+    for p in sorted(directory.iterdir()):
+        if not (p.is_dir() and p.name.isdigit()):
+            continue
+        if not any((p / m).exists() for m in _STEP_MARKERS) and not any(
+            (q / "_METADATA").exists() for q in p.iterdir() if q.is_dir()
+        ):
+            out.append(p.name)
+    return out
 
 
 class CheckpointManager:
@@ -301,6 +390,13 @@ class CheckpointManager:
     ) -> None:
         ocp = _ocp()
         self.directory = Path(directory).absolute()
+        foreign = _foreign_steps(self.directory)
+        if foreign:
+            raise ValueError(
+                f"{self.directory} holds numbered folders that are not checkpoints "
+                f"({_listed(foreign)}): the manager would take them for steps (and delete "
+                "them when pruning). Use a directory of its own for checkpoints."
+            )
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             save_interval_steps=save_interval_steps,
@@ -316,10 +412,26 @@ class CheckpointManager:
         """Start saving ``state`` as ``step`` (returns at once when asynchronous; the
         arrays are copied first, so training may go on and donate them). Returns
         whether a save happened (``save_interval_steps``)."""
+        step = _step_number(step)
+        latest = self._m.latest_step()
+        if latest is not None and step < latest:
+            raise ValueError(
+                f"step {step} is older than the latest checkpoint in {self.directory} "
+                f"(step {latest}): Orbax keeps steps in order and would drop this save. To "
+                f"go on from an earlier step, delete the later ones first "
+                f"(manager.delete(step) for each of {[s for s in self.all_steps() if s > step]}) "
+                "or save to another directory."
+            )
         accept_mpmd_arrays()
         if jax.process_count() > 1:
             self._settle(state)
         return bool(self._m.save(step, args=self._ocp.args.PyTreeSave(state), force=force))
+
+    def delete(self, step: int) -> None:
+        """Delete the checkpoint of ``step`` (e.g. steps after the one a run went back
+        to)."""
+        self.wait_until_finished()
+        self._m.delete(_step_number(step))
 
     def _settle(self, state: Any) -> None:
         """Multi-process: wait until every process's ``state`` is computed, with a host
@@ -333,11 +445,14 @@ class CheckpointManager:
         kv_client().wait_at_barrier(key, int(crossproc.peer_timeout_s() * 1000))
 
     def latest_step(self) -> int | None:
-        """The newest complete step (interrupted saves are not steps)."""
-        return self._m.latest_step()
+        """The newest complete step (interrupted saves, and saves still in flight, are
+        not steps)."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> Sequence[int]:
-        return list(self._m.all_steps())
+        """The complete steps, oldest first."""
+        return sorted(int(s) for s in self._m.all_steps() if (self.directory / str(s)).is_dir())
 
     def restore(self, step: int | None = None, *, target: Any) -> Any:
         """Read ``step`` (default: the latest complete one) into ``target``'s layout."""
@@ -360,7 +475,7 @@ class CheckpointManager:
         try:
             return _restore(lambda args: self._m.restore(step, args=args), target)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"checkpoint {where} could not be restored (corrupt?): {e}") from e
+            raise ValueError(f"checkpoint {where} could not be restored into the target{_WHY}: {e}") from e
 
     def wait_until_finished(self) -> None:
         """Block until pending asynchronous saves are complete."""
