@@ -105,6 +105,10 @@ def test_unmatched_and_overlapping_rules_warn(mesh4x2):
     msgs = " ".join(str(w.message) for w in rec)
     assert "matched no named scope" in msgs and "decoder_" in msgs
     assert "overlap" in msgs and "layers_1" in msgs
+    # the rule that loses an overlap matched a scope: not reported as unused
+    unused = next(str(w.message) for w in rec if "matched no named scope" in str(w.message))
+    assert "layers_1" not in unused
+    assert {w.filename for w in rec} == {__file__}  # the warnings point at the caller
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mm.jit(loss, mesh=mesh4x2, task_rules=RULES).lower(params, x)

@@ -82,6 +82,8 @@ class Rules:
                 others = [p for p, r, _ in self.rules if p != pat and r.search(scope)]
                 if others:
                     self.overlaps[scope] = [pat, *others]
+                    for p in others:  # matched, though another rule won: not unused
+                        self.used[p].add(scope)
                 ref = TaskRef(scope, stage, None)
                 break
             if ref is not None:
@@ -110,11 +112,32 @@ class Rules:
             rows = "; ".join(
                 f"{sc!r}: {ps} (first wins)" for sc, ps in sorted(self.overlaps.items())
             )
-            warnings.warn(f"task_rules overlap: several rules match {rows}.", stacklevel=4)
+            warnings.warn(
+                f"task_rules overlap: several rules match {rows}.", stacklevel=_user_level()
+            )
         unused = [p for p, scopes in self.used.items() if not scopes]
         if unused:
             warnings.warn(
                 f"task_rules matched no named scope: {unused}. Check the patterns against "
                 "the scopes in Lowered.as_text() or jax.make_jaxpr(...) name stacks.",
-                stacklevel=4,
+                stacklevel=_user_level(),
             )
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of the first caller outside MultiMesh and JAX (the line that
+    called or lowered the mm.jit function)."""
+    import os
+    import sys
+
+    import jax
+
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    theirs = os.path.dirname(os.path.abspath(jax.__file__))
+    frame, level = sys._getframe(1), 1  # noqa: SLF001
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not (path.startswith(ours) or path.startswith(theirs) or "contextlib" in path):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
