@@ -1,5 +1,7 @@
 """SPMD inside tasks: constraints, global-mesh shardings, shard_map, nested jit, mesh=."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,3 +200,32 @@ def test_shard_map_over_the_stage_axis_inside_a_task_is_a_clear_error(mesh4x2):
 
     with pytest.raises(ValueError, match=r"task 't': shard_map in spec .* stage axis 'stage'"):
         mm.jit(f, mesh=mesh4x2)(jnp.ones((8, 2)))
+
+
+def test_unchecked_shard_map_in_a_task_differentiates():
+    """``shard_map(check_vma=False)`` in a task, under grad: JAX's transpose sums over
+    every mesh axis the specs leave out, the stage axis included, which the submesh
+    does not have (was an unbound-axis error); the values are replicated over it, so
+    the sum is that many replicas."""
+    mmesh = mm.make_mesh((2, 2, 2), ("stage", "data", "model"))
+
+    @functools.partial(
+        jax.shard_map, in_specs=P("data", "model"), out_specs=P("data", None), check_vma=False
+    )
+    def rowsum(a):
+        return jax.lax.psum(a, "model")
+
+    def loss(w, x):
+        with mm.task("a", stage=0):
+            h = rowsum(jnp.tanh(x @ w))
+        with mm.task("b", stage=1):
+            return jnp.sum(jnp.tanh(h) ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (8, 8)) / 4
+    x = jax.random.normal(jax.random.key(1), (8, 8))
+    fn = jax.value_and_grad(loss, argnums=(0, 1))
+    with mmesh:
+        want = jax.jit(fn)(w, x)
+    got = mm.jit(fn, mesh=mmesh)(w, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)

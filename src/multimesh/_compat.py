@@ -548,6 +548,41 @@ def with_context_mesh(eqn: Any, mesh: Any) -> Any:
     return eqn.replace(ctx=_core.JaxprEqnContext._create(*args))
 
 
+def psum_over_replicas(jaxpr: Any, axis: str, size: int) -> Any:
+    """``jaxpr`` (a ``shard_map`` body) with each ``psum`` over ``axis`` -- an axis the
+    values are replicated over, that the body no longer runs on -- made a psum over its
+    other axes times ``size`` (what summing ``size`` equal replicas gives). JAX's
+    transpose of ``shard_map(check_vma=False)`` adds such psums over every mesh axis
+    left out of the specs."""
+    from jax._src.lax import lax as _lax
+
+    eqns = []
+    changed = False
+    for e in jaxpr.eqns:
+        axes = e.params.get("axes") if e.primitive.name == "psum" else None
+        if not axes or axis not in axes:
+            eqns.append(e)
+            continue
+        changed = True
+        rest = tuple(a for a in axes if a != axis)
+        ins = list(e.invars)
+        if rest:
+            summed = [Var(v.aval) for v in e.outvars]
+            eqns.append(e.replace(params={**e.params, "axes": rest}, outvars=summed))
+            ins = summed
+        for x, out in zip(ins, e.outvars):
+            aval = x.aval
+            factor = Literal(np.array(size, aval.dtype), jax.core.ShapedArray((), aval.dtype))
+            eqns.append(
+                jcore.new_jaxpr_eqn(
+                    [x, factor], [out], _lax.mul_p, {}, set(), e.source_info, e.ctx
+                )
+            )
+    if not changed:
+        return jaxpr
+    return jaxpr.replace(eqns=eqns)
+
+
 def retype_literal_value(val: Any, aval: Any) -> Any:
     """A literal's value with a new type: JAX's typed array literals carry their aval."""
     from jax._src import literals as _literals

@@ -151,6 +151,14 @@ def rewrite_params(prim: str, params: dict[str, Any], ctx: Ctx) -> dict[str, Any
             for k, p in out.items():
                 if isinstance(p, frozenset) and ctx.stage_axis in p:
                     out[k] = p - {ctx.stage_axis}
+            body = out.get("jaxpr")
+            size = dict(zip(mesh.axis_names, mesh.axis_sizes)).get(ctx.stage_axis, 1)
+            if isinstance(body, jcore.ClosedJaxpr):
+                out["jaxpr"] = jcore.ClosedJaxpr(
+                    _compat.psum_over_replicas(body.jaxpr, ctx.stage_axis, size), body.consts
+                )
+            elif isinstance(body, jcore.Jaxpr):
+                out["jaxpr"] = _compat.psum_over_replicas(body, ctx.stage_axis, size)
     return out
 
 
