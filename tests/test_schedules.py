@@ -82,3 +82,47 @@ def test_custom_rejects_bad_phase_and_shape():
         S.Custom([[(0, 0, "X")]])
     with pytest.raises(ValueError, match="not a .stage, microbatch, phase. triple"):
         S.Custom([[(0, 0)]])
+
+
+def test_simulate_checks_its_arguments():
+    import numpy as np
+
+    with pytest.raises(ValueError, match="forward_cost must be finite and >= 0"):
+        S.simulate("1f1b", 2, 4, forward_cost=-1)
+    with pytest.raises(ValueError, match="backward_cost must be finite"):
+        S.simulate("1f1b", 2, 4, backward_cost=float("nan"))
+    with pytest.raises(ValueError, match="weight_cost applies to schedules that split"):
+        S.simulate("1f1b", 2, 4, weight_cost=5)
+    with pytest.raises(ValueError, match="num_stages must be a positive int"):
+        S.simulate("1f1b", 0, 4)
+    a = S.simulate("1f1b", np.int64(2), np.int32(4))  # NumPy ints, as in Custom orders
+    assert a.bubble_fraction == pytest.approx(S.simulate("1f1b", 2, 4).bubble_fraction)
+
+
+def test_interleaved_num_chunks_must_match_the_model():
+    """num_chunks other than the model's stages per submesh was silently ignored (too
+    many) or reported as needing an interleaved schedule (too few)."""
+    import jax
+    import jax.numpy as jnp
+
+    import multimesh as mm
+
+    ws = [jnp.eye(8) * 0.5 for _ in range(4)]
+    x = jnp.ones((8, 8))
+
+    def loss(ws, xb):
+        h = xb
+        for i, w in enumerate(ws):
+            with mm.task(f"l{i}", stage=i):
+                h = jnp.tanh(h @ w)
+        return jnp.mean(h**2)
+
+    mmesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    for chunks, match in ((3, r"num_chunks=3, but .*\(2 per submesh\)"), (1, "as many chunks")):
+        sched = S.Interleaved1F1B(num_chunks=chunks)
+        step = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1, schedule=sched)
+        with pytest.raises(ValueError, match=match):
+            mm.jit(step, mesh=mmesh)(ws, x)
+    step = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1, schedule=S.Interleaved1F1B(2))
+    v, _g = mm.jit(step, mesh=mmesh)(ws, x)
+    assert float(v) == pytest.approx(float(jax.jit(step)(ws, x)[0]))

@@ -613,6 +613,14 @@ def _build_schedules(groups, loops, labels):
                 "with interleaving, the number of task stages must be a multiple of the "
                 "number of submeshes (stage v runs on submesh v % S)."
             )
+        fixed = getattr(sched, "num_chunks", None)
+        if fixed is not None and fixed != chunks:
+            raise ValueError(
+                f"schedule {sched.name!r} was given num_chunks={fixed}, but the microbatch "
+                f"loop has {num_virtual} task stages on {S} submeshes ({chunks} per "
+                "submesh): give num_chunks the model's stages per submesh, or leave it "
+                "unset (Interleaved1F1B() counts them)."
+            )
         if chunks > 1 and sched.chunks(S, num_virtual) == 1:
             raise ValueError(
                 f"the microbatch loop has {num_virtual} task stages on {S} submeshes; "

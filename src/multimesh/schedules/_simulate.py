@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from multimesh import _compat
 from multimesh.schedules._builtin import get
 from multimesh.schedules._core import Action, Order, dependencies
@@ -159,7 +161,25 @@ def simulate(
     ``peak_in_flight[s]``: most microbatches whose activations submesh ``s`` holds at once
     (forward started, backward (or W) not finished).
     """
+    num_stages = _count("num_stages", num_stages)
+    num_microbatches = _count("num_microbatches", num_microbatches)
+    if num_chunks is not None:
+        num_chunks = _count("num_chunks", num_chunks)
+    costs = [("forward_cost", forward_cost), ("backward_cost", backward_cost)]
+    costs += [("comm_cost", comm_cost)]
+    if weight_cost is not None:
+        costs.append(("weight_cost", weight_cost))
+    for name, v in costs:
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+            raise TypeError(f"simulate: {name} must be a number, got {v!r}.")
+        if not np.isfinite(v) or v < 0:
+            raise ValueError(f"simulate: {name} must be finite and >= 0, got {v!r}.")
     sched = get(schedule)
+    if weight_cost is not None and not sched.splits_backward:
+        raise ValueError(
+            f"simulate: weight_cost applies to schedules that split the backward "
+            f"(zero-bubble); {sched.name!r} runs each backward whole (backward_cost)."
+        )
     chunks = num_chunks if num_chunks is not None else sched.chunks(num_stages)
     order = sched.build(num_stages, num_microbatches, chunks)
     total_stages = num_stages * chunks
@@ -171,6 +191,13 @@ def simulate(
     else:
         cost = {"F": forward_cost / chunks, "B": backward_cost / chunks}
     return _run(order, num_stages, total_stages, split, cost, comm_cost, sched.name)
+
+
+def _count(name: str, v: Any) -> int:
+    """A positive int (NumPy ints too), or a ValueError naming the argument."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"simulate: {name} must be a positive int, got {v!r}.")
+    return int(v)
 
 
 def _run(
