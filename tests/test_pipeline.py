@@ -485,3 +485,41 @@ def test_summing_keys_over_microbatches_fails_as_the_reference(M):
         jax.jit(step)(w, x)
     with pytest.raises(TypeError, match="add does not accept"):
         mm.jit(step, mesh=mesh)(w, x)
+
+
+@pytest.mark.parametrize("schedule", ["zero-bubble-h1", "gpipe"])
+def test_recorded_timelines_are_consistent(schedule):
+    """Per submesh, events follow each other without overlapping, and a microbatch's
+    backward/weight-gradient work ends after its forward (fragments whose outputs are
+    all donated onward, e.g. gradient accumulations, were given a later fragment's end
+    on any submesh: overlaps and W before F)."""
+    S, M, D = 4, 8, 8
+    ws = [jax.random.normal(jax.random.key(i), (D, D)) / 4 for i in range(S)]
+    x = jax.random.normal(jax.random.key(99), (16, D))
+    y = jnp.sin(x)
+
+    def loss(ws, xb, yb):
+        h = xb
+        for i, w in enumerate(ws):
+            with mm.task(f"l{i}", stage=i):
+                h = h + jnp.tanh(h @ w)
+        return jnp.mean((h - yb) ** 2)
+
+    gf = mm.microbatch(jax.value_and_grad(loss), M, argnums=(1, 2), schedule=schedule)
+
+    def step(ws, x, y):
+        v, g = gf(ws, x, y)
+        return [w - 0.1 * gg for w, gg in zip(ws, g)], v
+
+    c = mm.jit(step, mesh=mm.make_mesh((S,), ("stage",), devices=jax.devices()[:S]))
+    c = c.lower(ws, x, y).compile()
+    for _ in range(4):
+        _, tl = c.record(ws, x, y)
+        for row in tl.events:
+            assert all(e.start <= e.end for e in row)
+            for a, b in zip(row, row[1:]):
+                assert b.start >= a.end, (a, b)
+            f_end = {e.action.microbatch: e.end for e in row if e.action.phase == "F"}
+            for e in row:
+                if e.action.phase in "BW" and e.action.microbatch in f_end:
+                    assert e.end >= f_end[e.action.microbatch], e

@@ -103,16 +103,21 @@ def record_run(exe: Any, args: Sequence[Any]) -> tuple[list[Any], Timeline]:
     for t in threads:
         t.join()
     deps = _fragment_deps(plan)
-    for k in sorted(ends, key=lambda k: dispatch[k]):
-        if ends[k] is None:
-            later = [ends[j] for j in ends if ends[j] is not None and dispatch[j] > dispatch[k]]
-            ends[k] = min(later) if later else time.perf_counter()
+    # A fragment starts once dispatched, its submesh is free and its inputs are made; a
+    # fragment whose outputs were all donated onward has no observable end: it is shown
+    # ending as soon as it could start. Ends never precede starts, so each submesh's
+    # events follow each other without overlapping (timer jitter clamps to zero length).
     starts: dict[int, float] = {}
     prev_end: dict[int, float] = {}
     for k in sorted(dispatch, key=lambda k: dispatch[k]):
         s = plan.frags[k].stage
-        st = max([dispatch[k], prev_end.get(s, 0.0)] + [ends[d] for d in deps[k] if d in ends])
-        starts[k] = min(st, ends[k])
+        st = max(
+            [dispatch[k], prev_end.get(s, 0.0)]
+            + [ends[d] for d in deps[k] if ends.get(d) is not None]
+        )
+        measured = ends.get(k)
+        starts[k] = st
+        ends[k] = st if measured is None else max(measured, st)
         prev_end[s] = ends[k]
     index = {s: j for j, s in enumerate(stages)}
     events: list[list[Event]] = [[] for _ in stages]
