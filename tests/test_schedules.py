@@ -126,3 +126,21 @@ def test_interleaved_num_chunks_must_match_the_model():
     step = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1, schedule=S.Interleaved1F1B(2))
     v, _g = mm.jit(step, mesh=mmesh)(ws, x)
     assert float(v) == pytest.approx(float(jax.jit(step)(ws, x)[0]))
+
+
+def test_a_stuck_order_names_its_real_blocker():
+    """A backward before its forward on submesh 2 was reported as a deadlock on submesh
+    0 (the first stuck submesh scanned); a real cycle names every step in it."""
+    good = S.OneFOneB().build(4, 4, 1)
+    bad = [list(r) for r in good]
+    i, j = bad[2].index(S.Action(2, 0, "F")), bad[2].index(S.Action(2, 0, "B"))
+    bad[2][i], bad[2][j] = bad[2][j], bad[2][i]
+    with pytest.raises(ValueError, match=r"submesh 2 \(B0@s2\).*needs F0@s2, which the same"):
+        S.validate(bad, 4, 4)
+    # a cycle: submesh 0 runs B0 before F1, submesh 1 wants F1 before B0
+    cyc = [
+        [(0, 0, "F"), (0, 0, "B"), (0, 1, "F"), (0, 1, "B")],
+        [(1, 0, "F"), (1, 1, "F"), (1, 0, "B"), (1, 1, "B")],
+    ]
+    with pytest.raises(ValueError, match=r"deadlock: .*\(B0@s0\) needs B0@s1.*\(F1@s1\) needs F1@s0"):
+        S.validate(cyc, 2, 2)

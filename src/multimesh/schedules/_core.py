@@ -180,18 +180,49 @@ def validate(
                 else:
                     break
         if not progressed:
-            for s in range(num_submeshes):
-                if pos[s] < len(acts[s]):
-                    a = acts[s][pos[s]]
-                    need = [
-                        d for d in dependencies(a, num_stages, splits_backward) if d not in done
-                    ]
-                    d = need[0]
-                    owner = d.stage % num_submeshes
-                    at = acts[owner].index(d)
-                    raise ValueError(
-                        f"invalid schedule: step {pos[s]} on submesh {s} ({a}) cannot run: it "
-                        f"needs {d}, which submesh {owner} only runs at its step {at}, after "
-                        "work that waits on this one (deadlock). Reorder the steps."
-                    )
+            _report_stuck(acts, pos, done, num_submeshes, num_stages, splits_backward)
     return acts
+
+
+def _report_stuck(
+    acts: list[list[Action]],
+    pos: list[int],
+    done: set[Action],
+    num_submeshes: int,
+    num_stages: int,
+    splits_backward: bool,
+) -> None:
+    """Name the real blocker of a stuck order: a step that needs an action its own
+    submesh runs later, or else the cycle of submeshes each waiting on the next."""
+
+    def blocker(s: int) -> tuple[Action, Action, int, int]:
+        a = acts[s][pos[s]]
+        unmet = [d for d in dependencies(a, num_stages, splits_backward) if d not in done]
+        own = [d for d in unmet if d.stage % num_submeshes == s]
+        d = (own or unmet)[0]
+        owner = d.stage % num_submeshes
+        return a, d, owner, acts[owner].index(d)
+
+    s = next(s for s in range(num_submeshes) if pos[s] < len(acts[s]))
+    chain: list[int] = []
+    while s not in chain:
+        a, d, owner, at = blocker(s)
+        if owner == s:
+            raise ValueError(
+                f"invalid schedule: step {pos[s]} on submesh {s} ({a}) cannot run: it needs "
+                f"{d}, which the same submesh only runs later, at its step {at}. Reorder the "
+                "steps."
+            )
+        chain.append(s)
+        s = owner
+    cycle = chain[chain.index(s) :]
+    waits = []
+    for c in cycle:
+        a, d, owner, at = blocker(c)
+        waits.append(f"step {pos[c]} on submesh {c} ({a}) needs {d} (submesh {owner}'s step {at})")
+    a, d, owner, at = blocker(cycle[0])
+    raise ValueError(
+        f"invalid schedule: step {pos[cycle[0]]} on submesh {cycle[0]} ({a}) cannot run: it "
+        f"needs {d}, which submesh {owner} only runs at its step {at}, after work that waits "
+        f"on this one (deadlock: {'; '.join(waits)}). Reorder the steps."
+    )
