@@ -291,3 +291,24 @@ def test_checkpoint_save_then_resume(layout, tmp_path):
     for k in saved:
         if k.startswith("ckpt-save/leaf"):
             np.testing.assert_array_equal(resumed[k.replace("save", "resume")], saved[k])
+
+
+def test_to_host_keeps_recent_outputs_per_program(monkeypatch):
+    """The outputs of each program's last calls stay fetchable however many calls other
+    programs make meanwhile (a process running ahead into the next program evicted the
+    last outputs a slower process was still fetching: a flaky 8-process failure)."""
+    import jax.numpy as jnp
+
+    from multimesh.distributed import _host
+
+    monkeypatch.setattr(_host, "_ensure_service", lambda: None)
+    monkeypatch.setattr(_host, "_RECENT", type(_host._RECENT)())
+    keep = _host._KEEP_CALLS
+    a = [jnp.zeros(1) for _ in range(keep + 4)]
+    for call, x in enumerate(a, start=1):
+        _host.register([x], 111, call)
+        for j in range(3):  # another program runs ahead meanwhile
+            _host.register([jnp.ones(1)], 222, 3 * call + j)
+    live = [c for c in range(1, len(a) + 1) if _host._lookup(f"111:{c}:0") is not None]
+    assert live == list(range(len(a) - keep + 1, len(a) + 1))
+    assert _host._lookup(f"111:{len(a)}:0") is a[-1]

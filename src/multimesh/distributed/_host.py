@@ -32,6 +32,7 @@ from multimesh import _compat
 _compat.register_exclusion(__file__)
 
 _KEEP_CALLS = 16  # outputs of this many recent calls per program can be fetched
+_KEEP_PROGRAMS = 64  # ... of at most this many programs' worth of calls in all
 _LOCK = threading.Lock()
 _RECENT: collections.OrderedDict[str, list[jax.Array]] = collections.OrderedDict()
 _GID: dict[int, str] = {}
@@ -46,7 +47,11 @@ def register(arrays: list[jax.Array], program: int, call: int) -> None:
         key = f"{program}:{call}"
         _RECENT[key] = arrays
         _LATEST[str(program)] = max(call, _LATEST.get(str(program), 0))
-        while len(_RECENT) > _KEEP_CALLS:
+        # per program (as the error says): another program's calls must not push out
+        # the outputs a slower process is still fetching
+        old = f"{program}:{call - _KEEP_CALLS}"
+        _RECENT.pop(old, None)
+        while len(_RECENT) > _KEEP_CALLS * _KEEP_PROGRAMS:
             _RECENT.popitem(last=False)
         for k, a in enumerate(arrays):
             if isinstance(a, jax.Array):
