@@ -9,11 +9,14 @@ carry their forward's scopes (under ``transpose``), so they follow.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import numpy as np
 
 from multimesh import _compat
@@ -127,11 +130,6 @@ class Rules:
 def _user_level() -> int:
     """The ``stacklevel`` of the first caller outside MultiMesh and JAX (the line that
     called or lowered the mm.jit function)."""
-    import os
-    import sys
-
-    import jax
-
     ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     theirs = os.path.dirname(os.path.abspath(jax.__file__))
     frame, level = sys._getframe(1), 1  # noqa: SLF001

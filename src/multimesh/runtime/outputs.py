@@ -99,23 +99,12 @@ def output_fn(
 ) -> Callable[[list[Any]], jax.Array]:
     """A function env -> the output array for the value held in slots ``ids`` (in a
     multi-process run, slots on other processes' submeshes are empty: their part of the
-    output is a global array with no local shard), weakly typed as ``weak`` says."""
-    fn = _output_fn(ids, req, slot_sh, slot_stage, borrowed, shape, stage_axis, dtype)
-    if len(ids) == 1 and req.final is None and not req.replicate and ids[0] not in borrowed:
-        return fn  # a fragment's output: the program's own type
-    return lambda env: _compat.with_weak_type(fn(env), weak)
+    output is a global array with no local shard), weakly typed as ``weak`` says (an
+    array assembled, resharded or passed through may not be)."""
 
+    def typed(fn: Callable[[list[Any]], jax.Array]) -> Callable[[list[Any]], jax.Array]:
+        return lambda env: _compat.with_weak_type(fn(env), weak)
 
-def _output_fn(
-    ids: Sequence[int],
-    req: Request,
-    slot_sh: dict[int, jax.sharding.Sharding],
-    slot_stage: dict[int, int],
-    borrowed: set[int],
-    shape: tuple[int, ...],
-    stage_axis: str,
-    dtype: Any,
-) -> Callable[[list[Any]], jax.Array]:
     reshard = [(i, req.per_stage.get(slot_stage[i])) for i in ids]
     reshard = [(i, d if d is not None and d != slot_sh[i] else None) for i, d in reshard]
     fresh = [i not in borrowed for i in ids]
@@ -155,7 +144,7 @@ def _output_fn(
             data = jax.make_array_from_single_device_arrays(vals[0].shape, final, pieces)
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(src))
 
-        return replicated
+        return typed(replicated)
 
     if len(ids) == 1:
         single: Callable[[list[Any]], jax.Array] = lambda env: value(env, 0)
@@ -173,11 +162,12 @@ def _output_fn(
                 return jax.make_array_from_single_device_arrays(shape, union, pieces)
 
     if req.final is None:
-        return single
+        # a fragment's own output has the program's type
+        return single if len(ids) == 1 and ids[0] not in borrowed else typed(single)
     final_sh = req.final
     # `single` returns a fresh array; device_put returns it unchanged where it already
     # has the requested sharding, or a new copy
-    return lambda env: jax.device_put(single(env), final_sh)
+    return typed(lambda env: jax.device_put(single(env), final_sh))
 
 
 def output_sharding(
@@ -231,15 +221,7 @@ def literal_fn(
         g_vals = tuple(vals[n] for n in members)
         g_shs = tuple(shs[n] for n in members)
         if loc is not None and not any(loc.has(sh.device_set) for sh in g_shs):
-            avals = [literals[n][2] for n in members]
-            makers.append(
-                (
-                    members,
-                    lambda avals=avals, g_shs=g_shs: [
-                        _remote(tuple(a.shape), sh, a.dtype) for a, sh in zip(avals, g_shs)
-                    ],
-                )
-            )
+            makers.append((members, _remotes([literals[n][2] for n in members], g_shs)))
             continue
         with _compat.no_mesh_context():
             compiled = jax.jit(_constant(g_vals), out_shardings=g_shs).lower().compile()
@@ -256,6 +238,11 @@ def literal_fn(
         return out
 
     return make_all
+
+
+def _remotes(avals: list[Any], shs: tuple[Any, ...]) -> Callable[[], list[jax.Array]]:
+    """Literal outputs living on other processes only: arrays with no local shard."""
+    return lambda: [_remote(tuple(a.shape), sh, a.dtype) for a, sh in zip(avals, shs)]
 
 
 def _constant(vals: tuple[Any, ...]) -> Callable[[], tuple[Any, ...]]:
