@@ -209,6 +209,31 @@ def test_keys_weak_types_and_strings_round_trip(mesh4x2, tmp_path):
         assert (got["w"] * got["lr"]).dtype == jnp.bfloat16
 
 
+def test_zero_size_arrays_round_trip(mesh4x2, tmp_path):
+    """Orbax refuses zero-size arrays; they hold no data, so they are saved as nothing and
+    made again in the target's layout (keys and numpy leaves too)."""
+    sh = NamedSharding(mesh4x2.submesh(1), P())
+    state = {
+        "w": jax.device_put(jnp.ones(4), sh),
+        "empty": jax.device_put(jnp.zeros((0, 3)), sh),
+        "keys": jax.random.split(jax.random.key(0), 0),
+        "host": np.zeros((2, 0), np.int32),
+    }
+    mm.checkpoint.save(tmp_path / "c", state)
+    got = mm.checkpoint.restore(tmp_path / "c", state)
+    assert got["empty"].shape == (0, 3) and got["empty"].sharding.is_equivalent_to(sh, 2)
+    assert jax.dtypes.issubdtype(got["keys"].dtype, jax.dtypes.prng_key)
+    assert got["keys"].shape == (0,)
+    assert isinstance(got["host"], np.ndarray) and got["host"].shape == (2, 0)
+    np.testing.assert_array_equal(got["w"], state["w"])
+    with pytest.raises(ValueError, match="missing from the checkpoint: \\['empty'\\]"):
+        mm.checkpoint.restore(tmp_path / "c", {**state, "empty": jnp.zeros((2, 3))})
+    with mm.checkpoint.CheckpointManager(tmp_path / "m") as manager:
+        manager.save(1, state)
+        manager.wait_until_finished()
+        assert manager.restore(target=state)["empty"].shape == (0, 3)
+
+
 def test_manager_refuses_what_it_would_lose(tmp_path):
     """Numbered folders that are not checkpoints (pruning deleted them, saves were
     refused), a step older than the latest (silently dropped), a non-integer step

@@ -1007,6 +1007,26 @@ def test_nested_jit_closing_over_a_key_and_nan_literals():
     _same(mm.jit(g, mesh=_two_stages())(x), jax.jit(g)(x))
 
 
+def test_context_manager_settings_reach_the_compile_threads(monkeypatch):
+    """jax.enable_x64(True) and other configuration context managers are thread-local:
+    fragments compiled on the compile threads see the caller's values."""
+    monkeypatch.setenv("MULTIMESH_COMPILE_THREADS", "2")
+    mesh = _two_stages()
+
+    def f(x):
+        with mm.task("a", stage=0):
+            h = x * 2
+        with mm.task("b", stage=1):
+            return h + 1
+
+    x = np.ones(3)
+    with jax.enable_x64(True):
+        got, want = mm.jit(f, mesh=mesh)(x), jax.jit(f)(x)
+        assert want.dtype == np.float64
+        _same(got, want)
+    _same(mm.jit(f, mesh=mesh)(x), jax.jit(f)(x))  # float32 again, outside
+
+
 def test_jax_settings_key_the_call_cache():
     """As jax.jit: a change of threefry_partitionable, dtype promotion or x64 retraces."""
     mesh = _two_stages()

@@ -32,6 +32,43 @@ def test_static_argnums_and_argnames(mesh4x2):
     np.testing.assert_allclose(g(x, 2, mode="sub"), np.arange(4.0) * 2 - 1)
 
 
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(donate_argnames="xx"), "no parameter of that name"),
+        (dict(static_argnames="nn"), "no parameter of that name"),
+        (dict(donate_argnums=5), "takes only 2 positional"),
+        (dict(static_argnums=7), "takes only 2 positional"),
+        (dict(static_argnums=1, donate_argnums=1), "both static and donated"),
+        (dict(static_argnums=1, donate_argnames="n"), "both static and donated"),
+    ],
+)
+def test_argument_numbers_and_names_are_checked(mesh4x2, kw, words):
+    """As jax.jit: a typo in static/donate arguments is an error, not staticness or
+    donation silently off."""
+
+    def f(x, n):
+        with mm.task("a", stage=0):
+            return x * n
+
+    with pytest.raises(ValueError) as jerr:
+        jax.jit(f, **kw)
+    assert jerr.value is not None
+    with pytest.raises(ValueError, match=words):
+        mm.jit(f, mesh=mesh4x2, **kw)
+
+    def g(x, /, *args, **kwargs):  # *args and **kwargs take any number or name
+        return x
+
+    mm.jit(g, mesh=mesh4x2, static_argnums=3, donate_argnames="anything")
+
+    def h(x, /, y):
+        return x
+
+    with pytest.raises(ValueError, match="positional-only"):
+        mm.jit(h, mesh=mesh4x2, static_argnames="x")
+
+
 def test_static_values_equal_but_of_other_types_retrace(mesh4x2):
     """1, 1.0 and True are equal static values of different types: each its own trace,
     as under jax.jit (they shared the first one's program; found by a probe)."""

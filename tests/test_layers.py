@@ -190,6 +190,24 @@ def test_uneven_layers_per_stage(mesh4x2):
     assert np.asarray(got[1]).shape == (L, D, D)
 
 
+def test_scan_over_no_layers(mesh4x2):
+    """A by_layer scan over zero stacked layers is a no-op, as under jax.jit (it crashed)."""
+    _, x, _ = data()
+
+    def loss(ws, x):
+        def body(h, w):
+            with mm.task("layers", stage=mm.by_layer()):
+                return h + jnp.tanh(h @ w), None
+
+        return jnp.mean(jax.lax.scan(body, x, ws)[0] ** 2)
+
+    g = jax.value_and_grad(loss)
+    ws = jnp.zeros((0, D, D))
+    got = mm.jit(g, mesh=mesh4x2)(ws, x)
+    assert_close(got, reference(g, mesh4x2, ws, x))
+    assert got[1].shape == (0, D, D)
+
+
 def test_linen_nn_scan_with_rules(mesh4x2):
     class Block(nn.Module):
         @nn.compact

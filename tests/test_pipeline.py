@@ -357,6 +357,32 @@ def test_microbatch_python_scalar_and_weak_outputs(mesh4x2):
     assert [o.aval.weak_type for o in got] == [o.aval.weak_type for o in ref] == [False, False]
 
 
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_microbatch_integer_argument_gradients(mesh4x2, reduce):
+    """Gradients of integer arguments (allow_int=True: float0, no values) pass through the
+    microbatch sum on both paths (JAX's add refused them)."""
+    ws = [jnp.eye(4) * 0.5, jnp.eye(4) * 0.25]
+    xb = jnp.arange(32.0).reshape(8, 4) / 32
+
+    def loss(ws, xb, n):
+        with mm.task("a", stage=0):
+            h = jnp.tanh(xb @ ws[0]) * n
+        with mm.task("b", stage=1):
+            return jnp.sum(h @ ws[1])
+
+    g = jax.value_and_grad(loss, argnums=(0, 2), allow_int=True)
+    for m in (1, 4):
+        mg = mm.microbatch(g, m, argnums=1, reduce=reduce)
+        want = jax.jit(mg)(ws, xb, jnp.int32(3))
+        got = mm.jit(mg, mesh=mesh4x2)(ws, xb, jnp.int32(3))
+        assert got[1][1].dtype == want[1][1].dtype == jax.dtypes.float0
+        assert got[1][1].shape == ()
+        assert_close((got[0], got[1][0]), (want[0], want[1][0]), rtol=1e-6)
+        whole = jax.jit(g)(ws, xb, jnp.int32(3))
+        scale = 1 / m if reduce == "mean" else 1
+        assert_close(want[0], whole[0] * scale, rtol=1e-5)
+
+
 def test_custom_order_validated_like_mm_jit():
     # B1 before B0 on a stage: gradients accumulate in microbatch order under mm.jit
     bad = [

@@ -504,6 +504,34 @@ def trace_context() -> Any:
     return _config.trace_context()
 
 
+def caller_config() -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+    """Wrap jobs for another thread so that they see this thread's JAX settings.
+
+    ``jax.enable_x64(True)``, ``jax.default_matmul_precision(...)`` and the other
+    configuration context managers set thread-local values: a compile thread would lower
+    with the global ones (x64 off: a dtype mismatch; another matmul precision: silently
+    other numbers). The thread-local values are read once, here, on the calling thread."""
+    from jax._src import config as _config
+
+    states = [
+        h for h in _config.config._value_holders.values() if isinstance(h, _config.State)
+    ]
+    local = [(s, s.get_local()) for s in states]
+
+    def wrap(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            old = [(s, s.swap_local(v)) for s, v in local]
+            try:
+                return fn()
+            finally:
+                for s, v in reversed(old):
+                    s.set_local(v)
+
+        return run
+
+    return wrap
+
+
 def eqn_context_mesh(eqn: Any) -> Any:
     """The abstract mesh an equation was traced under (``eqn.ctx``), or ``None``."""
     ctx = getattr(eqn, "ctx", None)

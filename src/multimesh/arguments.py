@@ -97,6 +97,44 @@ class Signature:
         }
         self._neg_static = tuple(i for i in self.static_argnums if i < 0)
         self._neg_donate = tuple(i for i in self.donate_argnums if i < 0)
+        if sig is not None:
+            self._check_against(params, n)
+
+    def _check_against(self, params: list[inspect.Parameter], n: int) -> None:
+        """Argument numbers and names the function has, as ``jax.jit`` checks them: a typo
+        would otherwise turn staticness or donation off without a word."""
+        for what, nums in (("static_argnums", self.static_argnums),
+                           ("donate_argnums", self.donate_argnums)):
+            bad = [i for i in nums if i >= n]
+            if bad and not self.varargs:
+                raise ValueError(
+                    f"mm.jit({what}={bad[0]}): the function takes only {n} positional "
+                    f"argument{'s' if n != 1 else ''} ({', '.join(self.param_names) or 'none'})."
+                )
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+            only_pos = {p.name for p in params if p.kind == p.POSITIONAL_ONLY}
+            for what, names in (("static_argnames", self.static_argnames),
+                                ("donate_argnames", self.donate_argnames)):
+                for name in names:
+                    if name in only_pos:
+                        raise ValueError(
+                            f"mm.jit({what}={name!r}): that parameter is positional-only; "
+                            f"use {what.replace('argnames', 'argnums')}."
+                        )
+                    if name not in named:
+                        raise ValueError(
+                            f"mm.jit({what}={name!r}): the function has no parameter of that "
+                            f"name (it has {', '.join(sorted(named)) or 'none'})."
+                        )
+        both = sorted(self.static_pos & self.donate_pos)
+        names = sorted(self.static_names & self.donate_names)
+        if both or names:
+            which = f"argument {both[0]}" if both else f"argument {names[0]!r}"
+            raise ValueError(
+                f"mm.jit: {which} is both static and donated; a static argument is not "
+                "an array on the devices and cannot be donated (as in jax.jit)."
+            )
 
     def normalize(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         nargs = len(args)

@@ -111,6 +111,35 @@ def _as_target(got: Any, target: Any) -> Any:
     return jax.tree.map(leaf, got, target)
 
 
+def _empty(x: Any) -> bool:
+    """A zero-size array (or target): Orbax refuses to store one; it holds no data, so it
+    is saved as an empty node and made again, from the target, on restore."""
+    shape = getattr(x, "shape", None)
+    return (
+        isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
+        and shape is not None
+        and 0 in tuple(shape)
+    )
+
+
+def _without_empty(tree: Any) -> Any:
+    return jax.tree.map(lambda x: None if _empty(x) else x, tree)
+
+
+def _made_empty(x: Any) -> Any:
+    """The zero-size leaf of target ``x``, in its layout."""
+    key = _is_key(x)
+    struct = _key_data_struct(x) if key else x
+    sharding = getattr(struct, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding):
+        out: Any = np.zeros(struct.shape, struct.dtype)
+    else:
+        out = jax.make_array_from_callback(
+            tuple(struct.shape), sharding, lambda idx: np.zeros(struct.shape, struct.dtype)[idx]
+        )
+    return jax.random.wrap_key_data(out, impl=_compat.key_impl(x.dtype)) if key else out
+
+
 def _restore_arg(ocp: Any, x: Any) -> Any:
     if isinstance(x, jax.ShapeDtypeStruct) and isinstance(x.sharding, jax.sharding.Sharding):
         return ocp.ArrayRestoreArgs(
@@ -214,6 +243,14 @@ def _restore(restore_fn: Any, target: Any) -> Any:
     on other processes (Orbax cannot build arrays with no local shard) and making them
     global arrays without local shards afterwards."""
     ocp = _ocp()
+    if any(_empty(x) for x in jax.tree.leaves(target)):
+        got = _restore(restore_fn, _without_empty(target))
+        return jax.tree.map(
+            lambda g, x: _made_empty(x) if _empty(x) else g,
+            got,
+            target,
+            is_leaf=lambda v: v is None,
+        )
     abstract = _abstract(target)
     skipped = jax.tree.map(_elsewhere, abstract)
     item = jax.tree.map(lambda x, s: ocp.PLACEHOLDER if s else x, abstract, skipped)
@@ -275,7 +312,7 @@ def check_compatible(meta: Any, target: Any, where: str) -> None:
     """Raise ``ValueError`` naming every key that differs between a checkpoint's
     metadata and the target (missing, extra, shape, dtype)."""
     saved = _keyed(_meta_tree(meta))
-    want = _keyed(_abstract(target))
+    want = _keyed(_abstract(_without_empty(target)))  # zero-size leaves are not stored
     if want and not saved:
         raise ValueError(f"checkpoint {where} is unreadable or corrupt: it lists no arrays")
     missing = sorted(set(want) - set(saved))
@@ -324,7 +361,12 @@ def save(
     path = Path(path).absolute()
     accept_mpmd_arrays()
     with ocp.Checkpointer(_handler()) as ck:
-        ck.save(path, args=ocp.args.PyTreeSave(state), force=force, custom_metadata={"step": step})
+        ck.save(
+            path,
+            args=ocp.args.PyTreeSave(_without_empty(state)),
+            force=force,
+            custom_metadata={"step": step},
+        )
 
 
 def restore(path: str | os.PathLike, target: Any) -> Any:
@@ -425,7 +467,9 @@ class CheckpointManager:
         accept_mpmd_arrays()
         if jax.process_count() > 1:
             self._settle(state)
-        return bool(self._m.save(step, args=self._ocp.args.PyTreeSave(state), force=force))
+        return bool(
+            self._m.save(step, args=self._ocp.args.PyTreeSave(_without_empty(state)), force=force)
+        )
 
     def delete(self, step: int) -> None:
         """Delete the checkpoint of ``step`` (e.g. steps after the one a run went back

@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from multimesh import _compat
 from multimesh import schedules as _schedules
@@ -221,7 +222,9 @@ def microbatch(
                 )
             else:
                 red, outs, aux_out = _scan_reference(call, M, piece, reduce)
-        outs = jax.tree.map(lambda r, o: o / M if r == "mean" else o, red, outs)
+        outs = jax.tree.map(
+            lambda r, o: o / M if r == "mean" and not _float0(o) else o, red, outs
+        )
         return (outs, aux_out) if has_aux else outs
 
     return wrapped
@@ -253,13 +256,24 @@ def _check_leaf(i: int, path: Any, shape: tuple[int, ...], M: int, axis: int, st
         )
 
 
+def _float0(x: Any) -> bool:
+    """The gradient of an integer input (``allow_int=True``): no values, nothing to sum."""
+    return getattr(x, "dtype", None) == jax.dtypes.float0
+
+
+def _float0_zeros(x: Any) -> np.ndarray:
+    return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
 def _add(a: Any, b: Any) -> Any:
-    return None if a is None else jnp.add(a, b)
+    if a is None or _float0(a):
+        return a
+    return jnp.add(a, b)
 
 
 def _strong(x: Any) -> Any:
-    if x is None:
-        return None
+    if x is None or _float0(x):
+        return x
     a = jnp.asarray(x)
     if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):
         # PRNG keys cannot be summed: the same TypeError as the reference's sum
@@ -271,6 +285,8 @@ def _strong(x: Any) -> Any:
 def _zeros(x: Any) -> Any:
     if x is None:
         return None
+    if _float0(x):
+        return _float0_zeros(x)
     shape = jnp.shape(x)
     # through a reshape: a scalar zero would otherwise be a literal inside the consumer
     return jnp.zeros((1, *shape), jnp.result_type(x)).reshape(shape)
@@ -289,14 +305,18 @@ def _scan_reference(call, M, piece, reduce):
     first_out, _ = jax.eval_shape(lambda: call(piece(0)))
     red = _reduce_tree(reduce, first_out)
     init = jax.tree.map(
-        lambda r, s: None if r == "stack" else jnp.zeros(s.shape, s.dtype), red, first_out
+        lambda r, s: None if r == "stack" or _float0(s) else jnp.zeros(s.shape, s.dtype),
+        red,
+        first_out,
     )
 
     def body(carry: Any, k: Any) -> tuple[Any, Any]:
         out, aux = call(piece(k))
         new = jax.tree.map(
             lambda r, c, o: (
-                None if r == "stack" or o is None else c + jnp.asarray(o).astype(c.dtype)
+                None
+                if r == "stack" or o is None or _float0(o)
+                else c + jnp.asarray(o).astype(c.dtype)
             ),
             red,
             carry,
@@ -308,6 +328,11 @@ def _scan_reference(call, M, piece, reduce):
 
     acc, (ys, aux) = jax.lax.scan(body, init, jnp.arange(M))
     outs = jax.tree.map(
-        lambda r, a, y: y if r == "stack" else a, red, acc, ys, is_leaf=lambda x: x is None
+        lambda r, a, y, s: y if r == "stack" else _float0_zeros(s) if _float0(s) else a,
+        red,
+        acc,
+        ys,
+        first_out,
+        is_leaf=lambda x: x is None,
     )
     return red, outs, aux

@@ -211,6 +211,8 @@ def _microbatch(eqn: Any) -> tuple[int, int] | None:
     )
     if len(found) > 1:
         raise ValueError(
-            "mm.microbatch loops are nested; a microbatch loop cannot contain another one."
+            "mm.microbatch loops are nested; a microbatch loop cannot contain another one "
+            "under mm.jit: pipeline one of them (e.g. one mm.microbatch with the product of "
+            "their microbatch counts), or run the inner one as a plain loop or lax.scan."
         )
     return found[0] if found else None

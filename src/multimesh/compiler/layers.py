@@ -120,8 +120,8 @@ def _split_scan(e: Any, ref: TaskRef, num_stages: int, eqns: list[Any], splits: 
     length = int(params["length"])
     assert ref.layers is not None
     ranges = _runs(ref.layers.stages(length, num_stages))
-    if len(ranges) == 1:
-        eqns.append(_with_marker(e, ref.name, ranges[0][2]))
+    if len(ranges) <= 1:  # one stage's run of layers, or no layers (a no-op: stage 0)
+        eqns.append(_with_marker(e, ref.name, ranges[0][2] if ranges else 0))
         return
     nc, ncar = _compat.scan_counts(params)
     consts = list(e.invars[:nc])

@@ -89,6 +89,8 @@ class Jobs:
     def __init__(self, threads: int) -> None:
         self._pool = cf.ThreadPoolExecutor(threads, "multimesh-compile") if threads > 1 else None
         self._futures: list[cf.Future] = []
+        #: jobs run with the creating thread's JAX settings (jax.enable_x64(True), ...)
+        self._with_config = _compat.caller_config() if self._pool is not None else None
         if self._pool is not None:  # an error while planning leaves no idle threads behind
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
 
@@ -101,7 +103,7 @@ class Jobs:
                 fut.set_exception(e)
                 raise
         else:
-            fut = self._pool.submit(fn)
+            fut = self._pool.submit(self._with_config(fn))
         self._futures.append(fut)
         return Pending(fut)
 
@@ -126,7 +128,7 @@ class Jobs:
             try:
                 if pool is None:
                     raise RuntimeError("compile jobs were closed")
-                inner = pool.submit(fn)
+                inner = pool.submit(self._with_config(fn))
             except RuntimeError as e:  # closed after an earlier job's error
                 outer.set_exception(e)
                 return
