@@ -310,3 +310,37 @@ def test_scanned_params_with_declared_tensor_parallel_layout():
 
     g = mm.jit(jax.value_and_grad(loss), mesh=mesh4x2, task_rules=rules)
     assert_close(g(nn.meta.unbox(params), x), jax.value_and_grad(loss)(nn.meta.unbox(want), x))
+
+
+def test_linen_remat_dropout_pipeline_by_rules():
+    """nn.remat + Dropout blocks placed by task_rules, pipelined: the dropout mask's work
+    (it needs only the key argument) was merged into a backward that the forward then
+    waited for (refused as a deadlock under 1F1B and zero-bubble; found by a probe)."""
+    mmesh = mm.make_mesh((2, 2), ("stage", "model"), devices=jax.devices()[:4])
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(nn.Dropout(0.3, deterministic=False)(nn.Dense(16)(x)))
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, tok):
+            x = nn.Embed(32, 8)(tok)
+            for i in range(2):
+                x = nn.remat(Block)(name=f"layers_{i}")(x)
+            return nn.Dense(32, name="head")(x)
+
+    m = Model()
+    tok = jax.random.randint(jax.random.key(0), (8, 5), 0, 32)
+    v = m.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, tok)
+
+    def loss(p, tok, key):
+        logits = m.apply(p, tok, rngs={"dropout": key})
+        return jnp.mean(logits**2) - jnp.mean(jnp.take_along_axis(logits, tok[..., None], -1))
+
+    rules = {r"layers_(\d)": lambda mt: int(mt[1]), r"head": 1}
+    g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1, schedule="1f1b")
+    want = jax.jit(g)(v, tok, jax.random.key(3))
+    got = mm.jit(g, mesh=mmesh, task_rules=rules)(v, tok, jax.random.key(3))
+    assert_close(got, want, rtol=1e-5, atol=1e-7)

@@ -60,6 +60,9 @@ class _Group:
     order: int = 0  # within its schedule step: -1 first, 1 last, 0 by dependencies
 
 
+_PHASE_RANK = {"F": 0, "B": 1, "W": 2}
+
+
 class _Revisit(Exception):
     """A microbatch's forward pass comes back to a task stage it has left."""
 
@@ -268,12 +271,23 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
             for h in sorted(g.succ, key=lambda x: groups[x].level):
                 gh = groups[h]
                 # a group that only needs program inputs and constants (e.g. a gradient
-                # seed) joins its consumer whatever the phase
+                # seed) joins its consumer whatever the phase, unless another consumer
+                # runs in an earlier phase: made in a backward, a value the forward also
+                # reads (a dropout mask from a key argument, recomputed by remat) would
+                # make that forward wait for the backward (a deadlock in the schedule)
                 same = (
                     gh.stage == g.stage
                     and gh.mb == g.mb
                     and gh.segment == g.segment
-                    and (g.mb is None or gh.phase == g.phase or not g.pred)
+                    and (
+                        g.mb is None
+                        or gh.phase == g.phase
+                        or (
+                            not g.pred
+                            and all(_PHASE_RANK[groups[c].phase] >= _PHASE_RANK[gh.phase]
+                                    for c in g.succ)
+                        )
+                    )
                 )
                 if same and not sends(gid) and not reaches_via_other(gid, h):
                     merge(h, gid)  # run g's work with h
