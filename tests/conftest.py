@@ -31,6 +31,28 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(4, os.cpu_count() or 1))
 
 
+#: modules holding the longest tests (whole models, notebooks, the CLI, several
+#: processes): collected first, so that on few workers the run does not end on one of
+#: them while the other workers are idle
+_LONG_FIRST = (
+    "test_gpt.py",
+    "test_run.py",
+    "test_remat.py",
+    "test_notebooks.py",
+    "test_multiprocess.py",
+    "test_transfers.py",
+    "test_layers.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        name = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+        return _LONG_FIRST.index(name) if name in _LONG_FIRST else len(_LONG_FIRST)
+
+    items.sort(key=rank)  # stable: the order within each module is kept
+
+
 def to_np(tree):
     def conv(a):
         if hasattr(a, "dtype") and jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):

@@ -1,5 +1,6 @@
 """multimesh-run --model gpt: PP x TP x DP x FSDP training equal to plain jax.jit SPMD."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import multimesh as mm
 from multimesh.run import cli
 
 SMALL = [
@@ -99,6 +101,11 @@ def test_every_layout_and_schedule(layout, schedule, tmp_path):
         (["--num-steps", "-1"], "argument --num-steps: must be a positive integer, got -1"),
         (["--seed", "-5"], "argument --seed: must be a non-negative integer, got -5"),
         (["--sequence-length", "1"], "--sequence-length 1: needs at least 2"),
+        (["--seed", str(2**63)], "argument --seed: must be below 2**63"),
+        (["--tolerance", "-1"], "argument --tolerance: must be a finite number >= 0"),
+        (["--tolerance", "nan"], "argument --tolerance: must be a finite number >= 0"),
+        (["--max-to-keep", "2"], "--max-to-keep needs --checkpoint-dir"),
+        (["--metrics", "/nonexistent-dir/m.json"], "the directory /nonexistent-dir does not"),
     ],
 )
 def test_flag_errors(args, message, capsys):
@@ -107,6 +114,29 @@ def test_flag_errors(args, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert message in err, err
+
+
+def test_checkpoint_dir_errors_before_training(tmp_path, capsys):
+    """A file given as --checkpoint-dir (Orbax failed in the background: a hang), and a
+    directory holding another run's steps without --resume (this run's state was not
+    saved, or the save failed after training), are usage errors up front."""
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(NotADirectoryError, match="is a file, not a directory"):
+        mm.checkpoint.CheckpointManager(afile)
+    step = tmp_path / "ck" / "3"
+    step.mkdir(parents=True)
+    (step / "_CHECKPOINT_METADATA").write_text("{}")
+    assert mm.checkpoint.saved_steps(tmp_path / "ck") == [3]
+    for args, message in [
+        (["--checkpoint-dir", str(afile)], "is a file, not a directory"),
+        (["--checkpoint-dir", str(tmp_path / "ck")], "holds checkpoints (steps [3]); pass --resume"),
+        (["--dump", str(afile)], "is a file; give a directory"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(args)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_default_pp_leaves_room_for_tp_and_fsdp():
@@ -313,3 +343,18 @@ def test_checkpoint_flags_need_a_directory(capsys):
         with pytest.raises(SystemExit):
             cli.main([*SMALL, *flags])
         assert "needs --checkpoint-dir" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")),
+    reason="a CUDA plugin is installed",
+)
+def test_gpu_backend_without_gpus_is_a_usage_error():
+    r = subprocess.run(
+        [sys.executable, "-m", "multimesh.run", "--backend", "gpu", "--num-steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--backend gpu: JAX found no GPU devices" in r.stderr.strip().splitlines()[-1]

@@ -403,17 +403,29 @@ def _step_number(step: Any) -> int:
 _STEP_MARKERS = ("_CHECKPOINT_METADATA", "commit_success.txt", "_METADATA")
 
 
+def _is_step(p: Path) -> bool:
+    return any((p / m).exists() for m in _STEP_MARKERS) or any(
+        (q / "_METADATA").exists() for q in p.iterdir() if q.is_dir()
+    )
+
+
+def saved_steps(directory: str | os.PathLike) -> list[int]:
+    """The steps a :class:`CheckpointManager` directory holds, read from the file system
+    alone (no Orbax, no coordination between processes): e.g. to refuse, before training,
+    a run that would write into another run's checkpoints."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit() and _is_step(p))
+
+
 def _foreign_steps(directory: Path) -> list[str]:
     """Integer-named folders in ``directory`` that are not Orbax steps."""
     if not directory.is_dir():
         return []
     out = []
     for p in sorted(directory.iterdir()):
-        if not (p.is_dir() and p.name.isdigit()):
-            continue
-        if not any((p / m).exists() for m in _STEP_MARKERS) and not any(
-            (q / "_METADATA").exists() for q in p.iterdir() if q.is_dir()
-        ):
+        if p.is_dir() and p.name.isdigit() and not _is_step(p):
             out.append(p.name)
     return out
 
@@ -432,6 +444,12 @@ class CheckpointManager:
     ) -> None:
         ocp = _ocp()
         self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():
+            # Orbax would fail in its background thread and a wait would never end
+            raise NotADirectoryError(
+                f"{self.directory} is a file, not a directory: give CheckpointManager a "
+                "directory of its own for checkpoints"
+            )
         foreign = _foreign_steps(self.directory)
         if foreign:
             raise ValueError(

@@ -13,6 +13,7 @@ microbatches``; a violation is a one-line error naming the flags.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -36,6 +37,25 @@ def _int_at_least(low: int, what: str) -> Callable[[str], int]:
 
 _positive = _int_at_least(1, "positive")
 _nonnegative = _int_at_least(0, "non-negative")
+
+
+def _seed(text: str) -> int:
+    """An argparse type: a seed ``jax.random.key`` takes (0 <= seed < 2**63)."""
+    value = _nonnegative(text)
+    if value >= 2**63:
+        raise argparse.ArgumentTypeError(f"must be below 2**63, got {value}")
+    return value
+
+
+def _tolerance(text: str) -> float:
+    """An argparse type: a finite, non-negative float."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -123,7 +143,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--sequence-length", type=_positive, default=32, help="tokens per sequence")
     t.add_argument("--num-steps", type=_positive, default=10, help="training steps")
     t.add_argument("--learning-rate", type=float, default=3e-3, help="AdamW learning rate")
-    t.add_argument("--seed", type=_nonnegative, default=0, help="random seed (init and data)")
+    t.add_argument("--seed", type=_seed, default=0, help="random seed (init and data)")
     c = p.add_argument_group("checkpoints (Orbax, asynchronous; see mm.checkpoint)")
     c.add_argument(
         "--checkpoint-dir",
@@ -167,7 +187,7 @@ def parser() -> argparse.ArgumentParser:
         help="also run the same steps under plain jax.jit SPMD; exit non-zero if the largest "
         "loss difference exceeds --tolerance",
     )
-    o.add_argument("--tolerance", type=float, default=1e-5, help="for --compare-spmd")
+    o.add_argument("--tolerance", type=_tolerance, default=1e-5, help="for --compare-spmd")
     o.add_argument(
         "--metrics",
         default=None,
@@ -241,9 +261,26 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
         p.error(f"--model-dims {ns.model_dims} is not divisible by --num-heads {ns.num_heads}")
     if ns.model_dims % ns.tp or (ns.mlp_dims or 4 * ns.model_dims) % ns.tp:
         p.error(f"--model-dims {ns.model_dims} / --mlp-dims must be divisible by --tp {ns.tp}")
-    if (ns.resume or ns.checkpoint_every is not None) and not ns.checkpoint_dir:
-        flag = "--resume" if ns.resume else "--checkpoint-every"
-        p.error(f"{flag} needs --checkpoint-dir")
+    if not ns.checkpoint_dir:
+        for flag, given in (
+            ("--resume", ns.resume),
+            ("--checkpoint-every", ns.checkpoint_every is not None),
+            ("--max-to-keep", ns.max_to_keep is not None),
+        ):
+            if given:
+                p.error(f"{flag} needs --checkpoint-dir")
+    elif os.path.exists(ns.checkpoint_dir) and not os.path.isdir(ns.checkpoint_dir):
+        p.error(f"--checkpoint-dir {ns.checkpoint_dir} is a file, not a directory")
+    for flag, path in (("--metrics", ns.metrics), ("--dump", ns.dump)):
+        if path is None:
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if flag == "--metrics" and os.path.isdir(path):
+            p.error(f"--metrics {path} is a directory; give a file name")
+        if flag == "--dump" and os.path.exists(path) and not os.path.isdir(path):
+            p.error(f"--dump {path} is a file; give a directory")
+        if not os.path.isdir(parent):
+            p.error(f"{flag} {path}: the directory {parent} does not exist")
     if ns.checkpoint_every is not None and ns.checkpoint_every < 1:
         p.error("--checkpoint-every must be at least 1")
     if ns.max_to_keep is not None and ns.max_to_keep < 1:
@@ -252,6 +289,15 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
         p.error("--model maxtext needs Python >= 3.12 (MaxText 0.2.5)")
     if ns.model == "maxtext":
         validate_maxtext(ns, p)
+    elif ns.checkpoint_dir and not ns.resume:
+        from multimesh.checkpoint import saved_steps
+
+        steps = saved_steps(ns.checkpoint_dir)
+        if steps:  # its steps would be kept and this run's silently not saved
+            p.error(
+                f"--checkpoint-dir {ns.checkpoint_dir} holds checkpoints (steps {steps}); "
+                "pass --resume to continue from the latest, or use another directory"
+            )
 
 
 def validate_maxtext(ns: argparse.Namespace, p: argparse.ArgumentParser) -> None:
@@ -315,7 +361,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_backend(ns)
     import jax
 
-    validate(ns, jax.device_count(), p)
+    try:
+        num_devices = jax.device_count()
+    except (RuntimeError, AssertionError) as e:  # no such backend on this machine
+        why = f" ({e})" if str(e) else ""
+        p.error(f"--backend {ns.backend}: JAX found no {ns.backend.upper()} devices here{why}")
+    validate(ns, num_devices, p)
     if ns.model == "maxtext":
         from multimesh.run import maxtext
 
