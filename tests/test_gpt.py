@@ -50,6 +50,7 @@ def run(step, state, mmesh, tokens, steps):
                 steps=3,
             ),
             id="pp2-tp2-dp2",
+            marks=pytest.mark.slow,  # the same layout runs in test_run (multimesh-run)
         ),
         pytest.param(
             dict(
@@ -62,6 +63,7 @@ def run(step, state, mmesh, tokens, steps):
                 steps=3,
             ),
             id="interleaved-v2",
+            marks=pytest.mark.slow,  # the same layout runs in test_run (multimesh-run)
         ),
     ],
 )

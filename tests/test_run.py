@@ -42,7 +42,10 @@ def run(*args: str, tmp_path: Path) -> dict:
     [
         ("--pp", "2", "--tp", "2", "--dp", "2", "--schedule", "zero-bubble-h1"),
         ("--pp", "4", "--tp", "1", "--dp", "2", "--schedule", "1f1b"),
-        ("--pp", "8", "--tp", "1", "--dp", "1", "--schedule", "gpipe"),
+        pytest.param(
+            ("--pp", "8", "--tp", "1", "--dp", "1", "--schedule", "gpipe"),
+            marks=pytest.mark.slow,  # the longest default-tier test; GPipe is tested elsewhere
+        ),
         ("--pp", "4", "--dp", "2", "--interleave", "2"),
         pytest.param(
             ("--pp", "2", "--fsdp", "2", "--tp", "2", "--dp", "1", "--remat"),
@@ -184,7 +187,10 @@ def test_help_documents_every_flag():
 
 def test_dump(tmp_path):
     out = tmp_path / "dump"
-    run("--pp", "4", "--dp", "2", "--tied-embeddings", "--dump", str(out), tmp_path=tmp_path)
+    metrics = tmp_path / "m.json"
+    fast = [a for a in SMALL if a != "--compare-spmd"]  # the dump needs no SPMD reference
+    args = ["--pp", "4", "--dp", "2", "--tied-embeddings", "--dump", str(out)]
+    assert cli.main([*fast, "--metrics", str(metrics), *args]) == 0
     for name in ["plan.txt", "simulated.png", "measured.png", "trace.json"]:
         assert (out / name).stat().st_size > 0, name
     plan = (out / "plan.txt").read_text()
