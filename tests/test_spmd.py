@@ -229,3 +229,56 @@ def test_unchecked_shard_map_in_a_task_differentiates():
     got = mm.jit(fn, mesh=mmesh)(w, x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+def test_explicit_axes_arguments_and_mesh_context(mesh222):
+    """Arrays typed by an Explicit-axes mesh (jax.make_mesh's default) on a submesh's
+    devices, and a call under jax.set_mesh of such a mesh, run as under jax.jit (the
+    first crashed in a fragment's trace, the second in a transfer packing the planner
+    traced under the caller's mesh)."""
+    emesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4],
+                          axis_types=(AxisType.Explicit,) * 2)
+    w = jnp.ones((8, 8)) / 8
+    x = jnp.arange(64.0).reshape(8, 8) / 64
+
+    def loss(w, x):
+        with mm.task("a", stage=0):
+            h = jnp.tanh(x @ w)
+        with mm.task("b", stage=1):
+            h = jnp.tanh(h @ w)
+        return jnp.mean(h**2)
+
+    xe = jax.device_put(x, NamedSharding(emesh, P("data")))
+    assert_close(mm.jit(loss, mesh=mesh222)(w, xe), jax.jit(loss)(w, xe), rtol=1e-6)
+    g = jax.grad(loss)
+    with jax.set_mesh(emesh):
+        want = np.asarray(jax.jit(g)(w, x))
+        got = np.asarray(mm.jit(g, mesh=mesh222)(w, x))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_out_shardings_for_tasks_with_their_own_axis_names():
+    """A bare spec applies on the mesh that makes the output (explicit mesh= tasks with
+    other axis names: it was resolved on every mesh, and failed); a spec that does not
+    fit an output is an error naming that output."""
+    devs = np.array(jax.devices())
+    ma = Mesh(devs[:4].reshape(2, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+    mb = Mesh(devs[4:8], ("z",), axis_types=(AxisType.Auto,))
+    w = jnp.eye(8) / 2
+    x = jnp.arange(64.0).reshape(8, 8) / 64
+
+    def f(w, x):
+        with mm.task("a", mesh=ma):
+            h = jnp.tanh(x @ w)
+        with mm.task("b", mesh=mb):
+            o = jnp.tanh(h @ w)
+        return {"h": h, "o": o, "loss": jnp.sum(o)}
+
+    want = jax.jit(f)(w, x)
+    got = mm.jit(f, out_shardings={"h": P("x"), "o": P("z"), "loss": None})(w, x)
+    assert_close(got, want, rtol=1e-6)
+    assert got["h"].sharding.spec == P("x") and got["o"].sharding.spec == P("z")
+    with pytest.raises(ValueError, match="names \\['x'\\], which the mesh this output is made"):
+        mm.jit(f, out_shardings={"h": None, "o": P("x"), "loss": None})(w, x)
+    with pytest.raises(ValueError, match="for output \\['loss'\\] has 1 entries, but that output has rank 0"):
+        mm.jit(f, out_shardings={"h": None, "o": None, "loss": P("z")})(w, x)

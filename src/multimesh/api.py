@@ -231,9 +231,20 @@ class MpmdFunction:
         if self._out_shardings is None:
             return [None] * n
         dummy = jax.tree_util.tree_unflatten(traced.out_tree, [0] * n)
-        return broadcast_prefix(
+        leaves = broadcast_prefix(
             self._out_shardings, dummy, f"mm.jit(out_shardings=...) of {self._fun_name!r}"
         )
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
+        for path, s, aval in zip(paths, leaves, traced.out_avals):
+            spec = s if isinstance(s, PartitionSpec) else getattr(s, "spec", None)
+            ndim = len(getattr(aval, "shape", ()))
+            if isinstance(spec, PartitionSpec) and len(spec) > ndim:
+                raise ValueError(
+                    f"mm.jit(out_shardings=...) of {self._fun_name!r}: {s} for output "
+                    f"{jax.tree_util.keystr(path) or '<root>'} has {len(spec)} entries, but "
+                    f"that output has rank {ndim} (shape {tuple(aval.shape)})."
+                )
+        return leaves
 
     def _put_shardings(self, labels: Labels, call: Call, flat: list[Any]) -> list[Any]:
         """Per flat leaf: a function stage -> sharding for host inputs (or None)."""
@@ -302,7 +313,9 @@ class MpmdFunction:
         return TracedCall(self, call, flat, traced, key)
 
     def _lower(self, call: Call, flat: list[Any], in_tree: Any, key: Hashable) -> Lowered:
-        with compiling.gc_paused():
+        # planning builds jaxprs of its own (packing, layer splits): not under the
+        # caller's mesh (an Explicit one would be recorded in their equations)
+        with compiling.gc_paused(), _compat.no_mesh_context():
             traced = self._trace(call, flat, in_tree, _abstract(key))
             return Lowered(self, call, flat, traced, key, self._out_sharding_leaves(traced))
 

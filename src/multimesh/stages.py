@@ -255,7 +255,7 @@ class Lowered(_ArgsInfo):
         labels = self._labels
         put_sh = fn._put_shardings(labels, self._call, self._flat)
         _check_same_plan(fn, self._call, self._plan_signature())
-        with compiling.gc_paused():
+        with compiling.gc_paused(), _compat.no_mesh_context():
             exe = Executable(
                 self._prog,
                 labels,

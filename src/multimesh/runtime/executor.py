@@ -102,6 +102,8 @@ class Executable:
                 continue
             ids = out[1]
             for i in ids:
+                if slot_stage[i] in req.unfit:
+                    raise ValueError(req.unfit[slot_stage[i]] + ".")
                 if slot_stage[i] in req.per_stage:
                     force_sh[i] = req.per_stage[slot_stage[i]]
                 elif len(ids) > 1:  # replicated over several submeshes: assemble one array

@@ -36,9 +36,17 @@ def committed_sharding(x: Any) -> jax.sharding.Sharding | None:
     return None
 
 
+def _explicit(sh: Any) -> bool:
+    types = getattr(getattr(sh, "mesh", None), "axis_types", ())
+    return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
 def analyze(x: Any, targets: list[Target], stage_axis: str | None) -> InputInfo:
     sh = committed_sharding(x)
-    if sh is None:
+    if sh is None or _explicit(sh):
+        # an array typed by an Explicit-axes mesh (jax.make_mesh's default) carries that
+        # mesh in its type, which a fragment traced on its submesh's (Auto) mesh cannot
+        # take: it is put there like any other value
         return InputInfo(ANY, "put")
     devs = frozenset(int(d.id) for d in sh.device_set)
     order = _compat.device_assignment_ids(sh)

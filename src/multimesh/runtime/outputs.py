@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh import _compat
-from multimesh.arguments import check_no_stage_axis
+from multimesh.arguments import check_no_stage_axis, spec_axes
 from multimesh.compiler.ir import Target
 from multimesh.runtime import transfer as tr
 
@@ -41,6 +41,8 @@ class Request:
     per_stage: dict[int, NamedSharding]  # what each producing submesh should make
     final: Any = None  # the sharding of the returned array (None: as produced)
     replicate: bool = False  # final spans every submesh: copy to the missing ones
+    #: submeshes whose axes the spec does not fit (an error if the output is made there)
+    unfit: dict[int, str] = dataclasses.field(default_factory=dict)
 
 
 NO_REQUEST = Request({})
@@ -54,7 +56,17 @@ def resolve(
         return NO_REQUEST
     if isinstance(s, PartitionSpec):
         check_no_stage_axis(s, stage_axis, what)
-        return Request({t.index: NamedSharding(t.mesh, s) for t in targets})
+        per, unfit = {}, {}
+        for t in targets:  # explicit mesh= tasks may have other axis names
+            missing = sorted(spec_axes(s) - set(t.mesh.axis_names))
+            if missing:
+                unfit[t.index] = (
+                    f"{what}: {s} names {missing}, which the mesh this output is made on "
+                    f"(axes {tuple(t.mesh.axis_names)}) lacks"
+                )
+            else:
+                per[t.index] = NamedSharding(t.mesh, s)
+        return Request(per, unfit=unfit)
     if not isinstance(s, jax.sharding.Sharding):
         raise TypeError(f"{what}: expected a Sharding, PartitionSpec or None, got {s!r}.")
     devs = frozenset(int(d.id) for d in s.device_set)
