@@ -344,3 +344,41 @@ def test_linen_remat_dropout_pipeline_by_rules():
     want = jax.jit(g)(v, tok, jax.random.key(3))
     got = mm.jit(g, mesh=mmesh, task_rules=rules)(v, tok, jax.random.key(3))
     assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_nnx_create_stacked_layers_by_layer(mesh4x2):
+    """mm.flax.create with stacked NNX blocks (nnx.vmap) placed by_layer: each layer's
+    parameters made on its stage, the stack split over the stage axis (it crashed)."""
+    d, n = 8, 4
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(d, d, rngs=rngs)
+
+        def __call__(self, h):
+            return h + jnp.tanh(self.lin(h))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=n)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Block(rngs)
+
+            self.blocks = mm.flax.task(make(rngs), stage=mm.by_layer(), name="layers")
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def forward(block, h):
+                return block(h)
+
+            return forward(self.blocks, x)
+
+    model = mm.flax.create(lambda k: Net(nnx.Rngs(k)), jax.random.key(0), mesh=mesh4x2)
+    eager = Net(nnx.Rngs(jax.random.key(0)))
+    kernel = model.blocks.lin.kernel.get_value()
+    assert kernel.sharding.spec == jax.P("stage")
+    assert_close(kernel, eager.blocks.lin.kernel.get_value())
+    x = jnp.ones((8, d))
+    gd, p = nnx.split(model)
+    assert_close(mm.jit(lambda p, x: nnx.merge(gd, p)(x), mesh=mesh4x2)(p, x), eager(x), rtol=1e-6)

@@ -549,3 +549,21 @@ def test_recorded_timelines_are_consistent(schedule):
             for e in row:
                 if e.action.phase in "BW" and e.action.microbatch in f_end:
                     assert e.end >= f_end[e.action.microbatch], e
+
+
+def test_untagged_work_mixing_stages_with_values_made_from_constants(mesh4x2):
+    """An untagged op reading both stages' results and a value made in the microbatch
+    from constants only (an iota mask) crashed placement (found by a probe)."""
+    d = 8
+    w = jax.random.normal(jax.random.key(2), (2, d, d)) / 3
+    x = jax.random.normal(jax.random.key(0), (8, d))
+
+    def loss(w, x):
+        with mm.task("a", stage=0):
+            a = jnp.tanh(x @ w[0])
+        with mm.task("b", stage=1):
+            b = jnp.tanh(x @ w[1])
+        return jnp.mean(jnp.where(jnp.arange(d) % 2 == 0, a, b) ** 2)
+
+    g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1)
+    assert_close(mm.jit(g, mesh=mesh4x2)(w, x), jax.jit(g)(w, x), rtol=1e-6, atol=1e-7)

@@ -21,6 +21,7 @@ import jax
 from jax.sharding import Mesh
 
 from multimesh import _compat
+from multimesh.tasks import ByLayer
 from multimesh.tasks import task as _task
 
 _compat.register_exclusion(__file__)
@@ -254,6 +255,22 @@ def _is_num(x: Any) -> bool:
     return hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
 
 
+def _by_layer(owner: Any, path: tuple, value: jax.Array) -> jax.Array:
+    """A stacked variable of a ``by_layer`` task, made layer by layer on their stages
+    (a scan over the leading axis, as the model's own scan runs it)."""
+    if jax.numpy.ndim(value) == 0:
+        raise ValueError(
+            f"mm.flax.create: variable {'/'.join(map(str, path))} of task "
+            f"{owner.mm_task_name!r} (stage=mm.by_layer()) has no leading layer axis"
+        )
+
+    def body(carry: None, row: jax.Array) -> tuple[None, jax.Array]:
+        with _task(owner.mm_task_name, stage=owner.mm_stage):
+            return carry, row + 0
+
+    return jax.lax.scan(body, None, value)[1]
+
+
 def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
     """Build an NNX model under ``mm.jit`` so each parameter is created on the submesh of
     the ``mm.flax.task`` that owns it (and nowhere else).
@@ -282,6 +299,9 @@ def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
             for opath, owner in owners:
                 if path[: len(opath)] == opath:
                     stage = owner.mm_stage
+                    if isinstance(stage, ByLayer):  # stacked layers: each on its own stage
+                        node.set_value(_by_layer(owner, path, node.get_value()))
+                        break
                     if stage is not None:  # virtual (interleaved) stage -> its submesh
                         stage = stage % mesh.num_stages
                     place = _task(owner.mm_task_name, stage=stage, mesh=owner.mm_mesh)

@@ -243,7 +243,8 @@ def check_stage_range(name: str, stage: int, num_stages: int, limit: int) -> Non
         f"valid: 0..{limit - 1} ({limit // num_stages} virtual stages per submesh)"
         if limit > num_stages
         else f"valid: 0..{num_stages - 1}; more stages than submeshes need an interleaved "
-        "schedule with as many chunks per submesh (e.g. Interleaved1F1B() without num_chunks)"
+        "schedule with as many chunks per submesh (e.g. Interleaved1F1B() without num_chunks), "
+        f"and outside such a loop (init, evaluation) the submesh itself: stage % {num_stages}"
     )
     raise ValueError(
         f"task {name!r}: stage={stage} is out of range; the MultiMesh has "

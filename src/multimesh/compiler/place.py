@@ -229,7 +229,14 @@ def place(
                 # stage 0 added after the last stage stays on the last stage, instead of
                 # sending that microbatch's work back to stage 0)
                 down = {
-                    c: max((made[a] for a, w in zip(ins, locs) if a in made and c in w), default=-1)
+                    c: max(
+                        (
+                            made[a]
+                            for a, w in zip(ins, locs)
+                            if a in made and w is not ANY and c in w
+                        ),
+                        default=-1,
+                    )
                     for c in cands
                 }
                 s = min(cands, key=lambda c: (-down[c] if in_mb else 0, *_cost(moved, c)))

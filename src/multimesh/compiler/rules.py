@@ -79,6 +79,13 @@ class Rules:
                     raise ValueError(
                         f"task_rules[{pat!r}] maps scope {scope!r} to stage {stage}, which is "
                         f"out of range (valid: 0..{limit - 1})."
+                        + (
+                            " Virtual (interleaved) stages are valid inside an interleaved "
+                            "mm.microbatch loop only; elsewhere (init, evaluation) map them to "
+                            f"submeshes, e.g. stage % {limit}."
+                            if stage >= limit > 0
+                            else ""
+                        )
                     )
                 self.used[pat].add(scope)
                 self.assigned[scope] = stage
