@@ -114,6 +114,7 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
     transfers_from: dict[Slot, list[int]] = {}
     for v, src, dst in placement.transfers:
         transfers_from.setdefault((v, src), []).append(dst)
+    virt_key = _interleaved_stage_keys(prog, placement, labels, mbs)
 
     # work outside loops that no loop needs (e.g. an optimizer's moment decay, which
     # needs only the old state) is grouped apart from work that loops need, so that it
@@ -157,7 +158,7 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
                 from_loop = from_loop or (a, s) in looped
             # work after a microbatch loop never shares a group with work before it
             post = mbs[i] is None and from_loop
-            key = (s, mbs[i], phase[i], lvl, post, feeds_loop[i] or post, seg[i])
+            key = (s, mbs[i], phase[i], lvl, post, feeds_loop[i] or post, seg[i], virt_key[i])
             key_of[(i, s)] = key
             if key not in groups_by_key:
                 groups_by_key[key] = len(groups)
@@ -401,6 +402,44 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
         )
     wire(prog, placement, frags)
     return frags
+
+
+def _interleaved_stage_keys(prog, placement, labels, mbs) -> list[Any]:
+    """Per equation, the task stage its group must belong to in an interleaved loop
+    (several task stages on one submesh), else ``None``. Groups are first formed by
+    level, and a group takes its task stage by majority: one stage's many key-only ops (a
+    raw key's dropout bits) at the level of another stage's work on the same submesh
+    would relabel that work, and the schedule would see a cycle. Untagged work goes with
+    the task stage of what it reads."""
+    n = len(prog.eqns)
+    out: list[Any] = [None] * n
+    if labels is None or not labels.virtual or not mbs:
+        return out
+    stages_of: dict[int, set[int]] = {}
+    subs_of: dict[int, set[int]] = {}
+    for i in range(n):
+        if mbs[i] is not None and labels.tasks[i] is not None and labels.virtual[i] is not None:
+            stages_of.setdefault(mbs[i][0], set()).add(labels.virtual[i])
+            subs_of.setdefault(mbs[i][0], set()).update(placement.instances[i])
+    interleaved = {j for j in stages_of if len(stages_of[j]) > len(subs_of[j])}
+    if not interleaved:
+        return out
+    var_virt: dict[Any, Any] = {}
+    for i, e in enumerate(prog.eqns):
+        if mbs[i] is None or mbs[i][0] not in interleaved:
+            continue
+        if labels.tasks[i] is not None:
+            v = labels.virtual[i]
+        else:
+            v = next(
+                (var_virt[a] for a in e.invars if not isinstance(a, Literal) and a in var_virt),
+                None,
+            )
+        out[i] = v
+        if v is not None:
+            for o in e.outvars:
+                var_virt[o] = v
+    return out
 
 
 def _segments(prog: FlatProgram, placement: Placement, labels: Labels | None, mbs) -> Any:
