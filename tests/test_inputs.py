@@ -51,9 +51,8 @@ def test_argument_numbers_and_names_are_checked(mesh4x2, kw, words):
         with mm.task("a", stage=0):
             return x * n
 
-    with pytest.raises(ValueError) as jerr:
+    with pytest.raises(ValueError):  # what jax.jit does
         jax.jit(f, **kw)
-    assert jerr.value is not None
     with pytest.raises(ValueError, match=words):
         mm.jit(f, mesh=mesh4x2, **kw)
 

@@ -271,15 +271,13 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
                 p.error(f"{flag} needs --checkpoint-dir")
     elif os.path.exists(ns.checkpoint_dir) and not os.path.isdir(ns.checkpoint_dir):
         p.error(f"--checkpoint-dir {ns.checkpoint_dir} is a file, not a directory")
+    if ns.metrics is not None and os.path.isdir(ns.metrics):
+        p.error(f"--metrics {ns.metrics} is a directory; give a file name")
+    if ns.dump is not None and os.path.exists(ns.dump) and not os.path.isdir(ns.dump):
+        p.error(f"--dump {ns.dump} is a file; give a directory")
     for flag, path in (("--metrics", ns.metrics), ("--dump", ns.dump)):
-        if path is None:
-            continue
-        parent = os.path.dirname(os.path.abspath(path))
-        if flag == "--metrics" and os.path.isdir(path):
-            p.error(f"--metrics {path} is a directory; give a file name")
-        if flag == "--dump" and os.path.exists(path) and not os.path.isdir(path):
-            p.error(f"--dump {path} is a file; give a directory")
-        if not os.path.isdir(parent):
+        parent = os.path.dirname(os.path.abspath(path)) if path is not None else None
+        if parent is not None and not os.path.isdir(parent):  # else it fails after training
             p.error(f"{flag} {path}: the directory {parent} does not exist")
     if ns.checkpoint_every is not None and ns.checkpoint_every < 1:
         p.error("--checkpoint-every must be at least 1")
