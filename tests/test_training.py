@@ -84,3 +84,31 @@ def test_loss_decreases(mesh8):
         params, state, val = mstep(params, state, x, y)
         losses.append(float(val))
     assert losses[-1] < losses[0]
+
+
+def test_state_from_jitted_init_moves_to_its_parameters(mesh4x2):
+    """`mm.jit(opt.init)` makes the optimizer's zeros on stage 0 (they depend on no
+    input); the first update runs next to each stage's gradient (not next to the state),
+    so state and parameters end on their stages and later steps move only activations."""
+    opt = optax.adam(1e-2)
+    step = make(4, opt)
+    params = init(4)
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    y = jax.random.normal(jax.random.key(2), (4, 8))
+    mstep = mm.jit(step, mesh=mesh4x2)
+    mp, ms = params, mm.jit(opt.init, mesh=mesh4x2)(params)
+    rp, rs = params, opt.init(params)
+    for i in range(3):
+        if i >= 1:
+            plan = mstep.lower(mp, ms, x, y).plan
+            moved = [t for t in plan.transfers if t.src_stage != t.dst_stage]
+            # activations, their cotangents and Adam's step-count scalars
+            assert all(t.nbytes <= (4 * 8 + 2) * 4 for t in moved), plan.as_text()
+            nstate = len(jax.tree.leaves((mp, ms)))
+            assert not [p for p in plan.inputs if p.mode == "put" and p.arg < nstate]
+        mp, ms, ml = mstep(mp, ms, x, y)
+        rp, rs, rl = jax.jit(step)(rp, rs, x, y)
+        assert_close(ml, rl, rtol=1e-5)
+        assert_close((mp, ms), (rp, rs), rtol=1e-5, atol=1e-6)
+        assert [stage_of(p["w"], mesh4x2) for p in mp] == [0, 1, 2, 3]
+        assert [stage_of(m["w"], mesh4x2) for m in ms[0].mu] == [0, 1, 2, 3]

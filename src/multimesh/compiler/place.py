@@ -3,7 +3,8 @@
 Tagged equations run on their task's submesh. An untagged equation runs next to its
 data: where its inputs already are, or else on the stage that minimises the bytes that
 must move (inside a microbatch's work: where the value that work made furthest down its
-flow is, then the bytes it made; ties go to the lowest stage; untagged backward work is
+flow is, then the bytes it made; on a tie, next to what tasks' work led to rather than
+next to values computed from arguments only; then the lowest stage; untagged backward work is
 judged as a region, see :func:`_choose_backward_region`). Untagged, effect-free equations
 whose inputs are available everywhere (constants, host inputs) or on several stages are
 *floating*: they are recomputed on each stage that needs them instead of being moved.
@@ -36,11 +37,19 @@ def _meet(locs: Sequence[Loc]) -> Loc:
     return out
 
 
-def _cost(moved: list[tuple[int, bool, frozenset]], c: int) -> tuple[int, int, int]:
+def _cost(
+    moved: list[tuple[int, bool, bool, frozenset]], c: int
+) -> tuple[int, int, int, int]:
     """Placing on stage ``c``: (bytes of microbatch-made values moved, all bytes moved,
-    ``c``) for inputs (bytes, made by the microbatch, where)."""
-    away = [(b, made) for b, made, where in moved if c not in where]
-    return (sum(b for b, made in away if made), sum(b for b, _m in away), c)
+    bytes of values that tasks' work led to moved, ``c``) for inputs (bytes, made by the
+    microbatch, led to by tasks' work, where)."""
+    away = [(b, made, led) for b, made, led, where in moved if c not in where]
+    return (
+        sum(b for b, made, _l in away if made),
+        sum(b for b, _m, _l in away),
+        sum(b for b, _m, led in away if led),
+        c,
+    )
 
 
 def _choose_backward_region(
@@ -161,6 +170,7 @@ def place(
     mbs = labels.microbatch
     made: dict[Any, int] = {}  # values made by microbatch work -> submesh hops to them
     bwd: set[Any] = set()  # values made by backward work
+    led: set[Any] = set()  # values that tasks' work leads to (not from arguments only)
     fpos: dict[tuple[Any, int], int] = {}  # (microbatch, stage) -> its forward's first hop
     prefer: dict[int, int] = {}  # backward eqn -> the stage chosen for its region
     # regions only where each submesh is one pipeline stage (interleaved: a submesh's
@@ -186,6 +196,8 @@ def place(
         back = _compat.is_transposed(e.source_info.name_stack) or any(a in bwd for a in ins)
         if back:
             bwd.update(e.outvars)
+        if s is not None or any(a in led for a in ins):
+            led.update(e.outvars)
         if s is None:
             locs = [loc[a] for a in ins]
             meet = _meet(locs)
@@ -218,8 +230,13 @@ def place(
                 # in a microbatch's work, values made by that work count first: moving
                 # one makes this submesh's microbatch work wait on another's, while
                 # values made outside the loop (a batch's slices) move before it
+                # ... then, on a tie in bytes, the work continues next to what tasks
+                # made rather than next to values computed from arguments only (an
+                # optimizer update: `b1 * mu + (1 - b1) * g` with the state on stage 0
+                # and the gradient on stage 3 runs on stage 3, so the new state and
+                # parameters stay with the gradient's task instead of moving every step)
                 moved = [
-                    (aval_nbytes(a.aval), in_mb and a in made, where)
+                    (aval_nbytes(a.aval), in_mb and a in made, a in led, where)
                     for a, where in zip(ins, locs)
                     if where is not ANY
                 ]
