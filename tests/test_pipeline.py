@@ -294,6 +294,28 @@ def test_grad_outside_the_microbatch_loop(schedule):
     assert [stage_of(gw, mmesh) for gw in got[1]] == [i % 2 for i in range(n)]
 
 
+@pytest.mark.parametrize("reduce", ["mean", "stack"])
+def test_grad_outside_of_a_nonlinear_function_of_the_loop(reduce):
+    """jax.grad outside mm.microbatch of log(loss**2): every microbatch's backward needs
+    the seed computed from the whole loop's output. GPipe (every forward before any
+    backward) runs it; schedules that start backwards earlier are a clear error."""
+    mmesh = stage_mesh(2)
+    ws = weights(2)
+    x, y = data(6)
+
+    def fn(schedule):
+        mb = mm.microbatch(mlp(2), 3, argnums=(1, 2), schedule=schedule, reduce=reduce)
+        return jax.value_and_grad(lambda ws, x, y: jnp.log(jnp.sum(mb(ws, x, y) ** 2)))
+
+    g = fn("gpipe")
+    got = mm.jit(g, mesh=mmesh)(ws, x, y)
+    assert_close(got, reference(g, mmesh, ws, x, y), rtol=1e-5, atol=1e-6)
+    assert [stage_of(gw, mmesh) for gw in got[1]] == [0, 1]
+    for schedule in ("1f1b", "zero-bubble-h1"):
+        with pytest.raises(ValueError, match=r"whole output.*schedule='gpipe'"):
+            mm.jit(fn(schedule), mesh=mmesh).lower(ws, x, y)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
 @pytest.mark.parametrize("grad_outside", [False, True])
 def test_stages_in_reverse_order(schedule, grad_outside):

@@ -158,7 +158,10 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
                 from_loop = from_loop or (a, s) in looped
             # work after a microbatch loop never shares a group with work before it
             post = mbs[i] is None and from_loop
-            key = (s, mbs[i], phase[i], lvl, post, feeds_loop[i] or post, seg[i], virt_key[i])
+            # (work after a loop that feeds a loop again, e.g. the seed of a non-linear
+            # function of the loop's output with jax.grad outside, is kept apart from
+            # the work after it: the same level, but the loop's backward lies between)
+            key = (s, mbs[i], phase[i], lvl, post, feeds_loop[i], seg[i], virt_key[i])
             key_of[(i, s)] = key
             if key not in groups_by_key:
                 groups_by_key[key] = len(groups)
@@ -332,6 +335,7 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
         loop_groups = [gid for gid in mine if groups[gid].mb is not None]
         my_loops = sorted({groups[gid].mb[0] for gid in loop_groups})
         gaps: dict[int, int] = {}  # non-loop group -> the gap before my_loops[gap]
+        inside: dict[int, int] = {}  # non-loop group -> the loop of mine it runs within
         for gid in mine:
             if groups[gid].mb is not None:
                 continue
@@ -340,7 +344,17 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
                 (sum(1 for m in my_loops if m < j) for j in loop_members if gid in before_loop[j]),
                 default=len(my_loops),
             )
-            gaps[gid] = lo if sends(gid) or hi < lo else hi
+            if hi < lo:
+                # needs a loop's results and feeds that loop: the gradient seed of a
+                # non-linear function of the loop's output, with jax.grad outside
+                # mm.microbatch. It runs within that loop, between the work it needs and
+                # the work that needs it (every forward before it, every backward after)
+                if hi != lo - 1:
+                    raise ValueError(_barrier_error(groups, gid, labels, prog, None))
+                inside[gid] = my_loops[hi]
+                gaps[gid] = hi  # its producers outside loops run before that loop
+            else:
+                gaps[gid] = lo if sends(gid) else hi
         # a producer runs no later than its consumers on this submesh
         for gid in sorted(gaps, key=topo.__getitem__, reverse=True):
             for p in groups[gid].pred:
@@ -348,13 +362,19 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
                     gaps[p] = min(gaps[p], gaps[gid])
         seq: list[int] = []
         for k in range(len(my_loops) + 1):
-            seq += sorted((g for g, at in gaps.items() if at == k), key=topo.__getitem__)
+            seq += sorted(
+                (g for g, at in gaps.items() if at == k and g not in inside),
+                key=topo.__getitem__,
+            )
             if k < len(my_loops):
                 j = my_loops[k]
                 rows = {j: sched_rows[j]} if j in sched_rows else {}
-                seq += _loop_order(
+                order = _loop_order(
                     groups, [g for g in loop_groups if groups[g].mb[0] == j], rows, topo
                 )
+                for gid in sorted((g for g, lp in inside.items() if lp == j), key=topo.__getitem__):
+                    order = _within_loop(groups, gid, order, labels, prog, sched_rows.get(j))
+                seq += order
         seqs[s] = seq
 
     # merge a consumer that directly follows its producer on the same submesh
@@ -889,6 +909,35 @@ def _loop_order(groups, loop_groups, sched_rows, topo):
     rest = [g for g in loop_groups if g not in placed and groups[g].alive]
     out += sorted(rest, key=lambda x: (groups[x].level, groups[x].mb))
     return out
+
+
+def _within_loop(groups, gid: int, order: list[int], labels, prog, sched: Any) -> list[int]:
+    """Put a group that needs a loop's results and feeds the same loop into that loop's
+    order on its submesh: right after the last work it needs; a clear error when work
+    that needs it comes first (a schedule that starts backwards before every forward)."""
+    need = _reach(groups, [gid], "pred")
+    feeds = _reach(groups, [gid], "succ")
+    last = max((k for k, x in enumerate(order) if x in need), default=-1)
+    first = min((k for k, x in enumerate(order) if x in feeds), default=len(order))
+    if last >= first:
+        raise ValueError(_barrier_error(groups, gid, labels, prog, sched))
+    return order[: last + 1] + [gid] + order[last + 1 :]
+
+
+def _barrier_error(groups, gid: int, labels, prog, sched: Any) -> str:
+    g = groups[gid]
+    name = sched[0].name if sched else None
+    ops = sorted({prog.eqns[i].primitive.name for i in g.eqns})[:6]
+    return (
+        f"the microbatch loop's backward needs a value computed on stage {g.stage} from "
+        f"the loop's whole output (operations {ops}): typically jax.grad taken outside "
+        "mm.microbatch of a non-linear function of its result (e.g. loss ** 2, log, "
+        "sqrt). Every microbatch's forward must then finish before any backward starts"
+        + (f", which schedule {name!r} does not do" if name else "")
+        + ". Use schedule='gpipe', or microbatch the gradient itself "
+        "(mm.microbatch(jax.value_and_grad(loss), M)) and apply the non-linear function "
+        "to the accumulated result with the chain rule outside."
+    )
 
 
 def _dispatch_order(groups, seqs: dict[int, list[int]], effects: bool = False) -> list[int]:

@@ -190,7 +190,10 @@ def _loop_order_fixes(
             out[i] = None  # runs after the loop, next to the data it sums
         if mb is not None:
             dep[mb[0]] = max(dep.get(mb[0], -1), mb[1])
-        if dep:
+        if dep and mbs[i] is not None:
+            # work outside the loop (the seed of a non-linear function of the loop's
+            # output, with jax.grad outside) ends the chain: the backwards it feeds keep
+            # their microbatches, and wait for it as for any value made before them
             loop = max(dep)  # (one loop per value in practice)
             for o in e.outvars:
                 latest[o] = (loop, dep[loop])
