@@ -112,3 +112,33 @@ def test_state_from_jitted_init_moves_to_its_parameters(mesh4x2):
         assert_close((mp, ms), (rp, rs), rtol=1e-5, atol=1e-6)
         assert [stage_of(p["w"], mesh4x2) for p in mp] == [0, 1, 2, 3]
         assert [stage_of(m["w"], mesh4x2) for m in ms[0].mu] == [0, 1, 2, 3]
+
+
+def test_residual_add_outside_tasks_stays_downstream(mesh4x2):
+    """`h = h + t` after each stage's task (untagged, as task_rules make it): each add
+    runs on the stage that made `t` (its other input goes there anyway for the task), so
+    activations go stage to stage instead of through stage 0."""
+
+    def loss(ws, x, y):
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                t = jnp.tanh(h @ w)
+            h = h + t
+        return jnp.mean((h - y) ** 2)
+
+    def step(ws, x, y):
+        val, g = jax.value_and_grad(loss)(ws, x, y)
+        return [w - 0.1 * gi for w, gi in zip(ws, g)], val
+
+    ws = [jax.random.normal(jax.random.key(i), (8, 8)) / 3 for i in range(4)]
+    x = jax.random.normal(jax.random.key(9), (8, 8))
+    y = jnp.sin(x)
+    f = mm.jit(step, mesh=mesh4x2)
+    got = f(ws, x, y)
+    with mesh4x2:
+        want = jax.jit(step)(ws, x, y)
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
+    plan = f.lower(*got[:1], x, y).plan
+    moved = [(t.src_stage, t.dst_stage) for t in plan.transfers if t.src_stage != t.dst_stage]
+    assert sorted(moved) == [(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2)], plan.as_text()

@@ -186,6 +186,10 @@ def place(
         for a in e.invars:
             if not isinstance(a, Literal):
                 consumers.setdefault(a, []).append(i)
+    used_on: dict[Any, frozenset] = {  # value -> the stages of tasks that read it
+        a: frozenset(labels.stages[k] for k in ks if labels.stages[k] is not None)
+        for a, ks in consumers.items()
+    }
 
     for i, e in enumerate(prog.eqns):
         ins = list(dict.fromkeys(a for a in e.invars if not isinstance(a, Literal)))
@@ -235,8 +239,11 @@ def place(
                 # optimizer update: `b1 * mu + (1 - b1) * g` with the state on stage 0
                 # and the gradient on stage 3 runs on stage 3, so the new state and
                 # parameters stay with the gradient's task instead of moving every step)
+                # (a value a task uses on stage c goes to c anyway: free there; a
+                # residual add after stage 1's task, of its input from stage 0 and its
+                # output, stays on stage 1 instead of sending both back to stage 0)
                 moved = [
-                    (aval_nbytes(a.aval), in_mb and a in made, a in led, where)
+                    (aval_nbytes(a.aval), in_mb and a in made, a in led, where | used_on[a])
                     for a, where in zip(ins, locs)
                     if where is not ANY
                 ]
