@@ -265,12 +265,16 @@ def main() -> None:
             f(np.ones(8, np.float32))
         else:
             time.sleep(30)
-    if which == "raise":  # rank 1 fails after a call; rank 0 then waits for it
+    if which in ("raise", "exit"):  # rank 1 fails after a call; rank 0 then waits for it
         f = mm.jit(
             lambda x: mm.task(lambda v: v * 2, name="t", stage=0)(x),
             mesh=mm.make_mesh((2, 4), ("stage", "data")),
         )
         f(np.ones(8, np.float32))  # starts this process's to_host service
+        if jax.process_index() == 1 and which == "exit":
+            sys.stdout.buffer.write(b"\xff not utf-8\n")  # must not stop the launcher
+            sys.stdout.flush()
+            sys.exit(3)  # SystemExit: exit handlers run (no excepthook)
         if jax.process_index() == 1:
             raise RuntimeError("rank 1 fails on purpose")
         f(np.ones(16, np.float32))  # a new plan: waits for rank 1's, which never comes

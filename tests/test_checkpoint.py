@@ -245,6 +245,12 @@ def test_manager_refuses_what_it_would_lose(tmp_path):
         mm.checkpoint.CheckpointManager(foreign, max_to_keep=1)
     assert (foreign / "7" / "results.csv").exists()
 
+    # 0 would delete every step at once / divide by zero inside Orbax's save policy
+    with pytest.raises(ValueError, match=r"max_to_keep=0\): give an integer >= 1"):
+        mm.checkpoint.CheckpointManager(tmp_path / "z", max_to_keep=0)
+    with pytest.raises(ValueError, match=r"save_interval_steps=0\)"):
+        mm.checkpoint.CheckpointManager(tmp_path / "z", save_interval_steps=0)
+
     d = tmp_path / "ck"
     with mm.checkpoint.CheckpointManager(d) as m:
         for s in (1, 2, 3):

@@ -170,6 +170,20 @@ def test_rank_dying_of_an_exception_stops_the_job_quickly(tmp_path):
     assert elapsed < 90, f"the job took {elapsed:.0f} s to stop"
 
 
+def test_rank_exiting_early_stops_the_job_quickly(tmp_path):
+    """A rank that calls sys.exit(3) after its first call (exit handlers run; no exception
+    hook) while rank 0 waits for its next plan: rank 0 says that process 1 exited, and the
+    launcher stops the job. Bytes that are not UTF-8 in a rank's output are shown escaped."""
+    t0 = time.monotonic()
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "exit", timeout=240)
+    elapsed = time.monotonic() - t0
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "process 1 exited" in text, output_tail(proc)
+    assert "[rank 1] \\xff not utf-8" in text, output_tail(proc)
+    assert elapsed < 90, f"the job took {elapsed:.0f} s to stop"
+
+
 def _alive(token: str) -> list[int]:
     pids = []
     for d in Path("/proc").iterdir():

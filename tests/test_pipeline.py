@@ -236,6 +236,20 @@ def test_batch_not_divisible():
         g(jnp.ones((8, 2)))
 
 
+def test_batch_sizes_must_agree():
+    """x (12 rows) and y (3 rows) would each split into 3 microbatches, pairing 4 rows of
+    x with 1 of y (broadcast silently): a clear error on both paths."""
+    g = mm.microbatch(lambda x, y: ((x - y) ** 2).sum(), 3, argnums=(0, 1))
+    x, y = jnp.ones((12, 4)), jnp.ones((3, 4))
+    with pytest.raises(ValueError, match=r"argument 1 has batch size 3 .* argument 0 has 12"):
+        mm.jit(g, mesh=stage_mesh(2))(x, y)
+    with pytest.raises(ValueError, match="batch sizes must agree"):
+        g(x, y)
+    batch = {"x": jnp.ones((6, 2)), "y": jnp.ones((4, 2))}
+    with pytest.raises(ValueError, match=r"argument 0\['y'\] has batch size 4"):
+        mm.microbatch(lambda b: b["x"].sum() + b["y"].sum(), 2)(batch)
+
+
 def test_reduce_pytree_mismatch():
     g = mm.microbatch(lambda x: (x.sum(), x.mean()), 2, reduce=("sum",))
     with pytest.raises(ValueError, match="reduce pytree .* does not match"):

@@ -157,6 +157,19 @@ def test_shape_dtype_struct_lowering(mesh4x2):
     assert_close(c(jax.device_put(W, w_sh), X), reference(two_stage, mesh4x2, W, X))
 
 
+def test_shape_dtype_struct_with_a_bare_spec_under_set_mesh(mesh4x2):
+    """A bare PartitionSpec in a ShapeDtypeStruct is resolved on the caller's mesh
+    (jax.set_mesh), as jax.jit does, though planning runs outside that context."""
+    f = mm.jit(two_stage, mesh=mesh4x2)
+    with jax.set_mesh(mesh4x2.mesh):
+        x = jax.ShapeDtypeStruct(X.shape, X.dtype, sharding=P("data"))
+        c = f.lower(jax.ShapeDtypeStruct(W.shape, W.dtype), x).compile()
+        traced = f.trace(jax.ShapeDtypeStruct(W.shape, W.dtype), x)
+    assert traced.lower().plan.fragments
+    assert c.input_shardings[0][1].spec == P("data")
+    assert_close(c(W, X), reference(two_stage, mesh4x2, W, X))
+
+
 @pytest.mark.parametrize(
     "spec_kind", ["pspec", "submesh", "other_submesh", "global", "none", "tree"]
 )

@@ -35,6 +35,7 @@ from multimesh.arguments import (
     deleted_error,
     in_sharding_leaves,
     leaf_key,
+    resolved_structs,
     spec_axes,
     trace_arg,
 )
@@ -302,12 +303,13 @@ class MpmdFunction:
         """Trace and plan for these arguments (arrays, or ``jax.ShapeDtypeStruct``s with
         or without shardings); ``.compile()`` compiles the fragments."""
         call, flat, in_tree, _keys, key = self._prepare(args, kwargs)
-        return self._lower(call, flat, in_tree, key)
+        return self._lower(call, resolved_structs(flat), in_tree, key)
 
     def trace(self, *args: Any, **kwargs: Any) -> TracedCall:
         """Trace for these arguments (as ``jax.jit(f).trace``): the jaxpr and the output
         shapes, before placement; ``.lower()`` plans it."""
         call, flat, in_tree, _keys, key = self._prepare(args, kwargs)
+        flat = resolved_structs(flat)
         with compiling.gc_paused():
             traced = self._trace(call, flat, in_tree, _abstract(key))
         return TracedCall(self, call, flat, traced, key)

@@ -286,6 +286,25 @@ def is_extended(dtype: Any) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
 
 
+def resolved_structs(flat: list[Any]) -> list[Any]:
+    """``jax.ShapeDtypeStruct``s with a bare ``PartitionSpec`` get their sharding from the
+    caller's mesh (``jax.set_mesh``) when read: read it here, in the caller's context, as
+    planning runs outside it."""
+    out = []
+    for x in flat:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            try:
+                sh = x.sharding
+            except Exception:  # noqa: BLE001 - no mesh to resolve it on: JAX says so later
+                sh = None
+            if isinstance(sh, Sharding):
+                x = jax.ShapeDtypeStruct(
+                    x.shape, x.dtype, sharding=sh, weak_type=bool(getattr(x, "weak_type", False))
+                )
+        out.append(x)
+    return out
+
+
 def trace_arg(x: Any) -> Any:
     """Trace on shape and dtype only: where an input lives is the planner's business,
     and avals carrying a submesh would clash with the mesh the program is traced on."""

@@ -442,6 +442,18 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         async_save: bool = True,
     ) -> None:
+        for name, value, least in (
+            ("max_to_keep", max_to_keep, 1),
+            ("save_interval_steps", save_interval_steps, 1),
+        ):
+            if value is None and name == "max_to_keep":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+                raise ValueError(
+                    f"CheckpointManager({name}={value!r}): give an integer >= {least}"
+                    + (" (None keeps every step)" if name == "max_to_keep" else "")
+                    + "."
+                )
         ocp = _ocp()
         self.directory = Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():

@@ -136,9 +136,23 @@ def microbatch(
                     "arguments."
                 )
         pos = [i % len(args) for i in nums]
+        first: tuple[str, int] | None = None  # every batch leaf has one batch size
         for i in pos:
             for path, leaf in jax.tree_util.tree_leaves_with_path(args[i]):
-                _check_leaf(i, path, jnp.shape(leaf), M, axis, stacked)
+                shape = jnp.shape(leaf)
+                _check_leaf(i, path, shape, M, axis, stacked)
+                size = shape[0] if stacked else shape[axis]
+                where = f"argument {i}{jax.tree_util.keystr(path)}"
+                if first is None:
+                    first = (where, size)
+                elif size != first[1]:
+                    raise ValueError(
+                        f"microbatch: {where} has batch size {size} along axis "
+                        f"{0 if stacked else axis}, but {first[0]} has {first[1]}; every "
+                        "batch argument (argnums) is split into the same microbatches, so "
+                        "their batch sizes must agree (pass per-example values of another "
+                        "size as a non-batch argument)."
+                    )
         specs = {
             i: (in_shardings[j] if isinstance(in_shardings, (tuple, list)) else in_shardings)
             for j, i in enumerate(pos)

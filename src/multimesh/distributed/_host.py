@@ -106,6 +106,7 @@ def _ensure_service() -> None:
     def _stop() -> None:
         """At exit (before jax.distributed shuts down: atexit runs last-in first), keep
         answering until every process is done, so a late to_host elsewhere still works."""
+        mark_exiting()
         try:
             kv = _kv()
             kv.key_value_set(f"multimesh/done/{jax.process_index()}", "1")
@@ -123,6 +124,22 @@ def _ensure_service() -> None:
     fail_fast()
 
 
+def exiting_key(process: int) -> str:
+    """Set by a process when it starts to exit (its exit handlers run): others waiting
+    for it (``crossproc.check_same_plan``) stop waiting and say so."""
+    return f"multimesh/exiting/{process}"
+
+
+def mark_exiting() -> None:
+    if _SERVICE.get("exiting"):
+        return
+    _SERVICE["exiting"] = True
+    try:
+        _kv().key_value_set(exiting_key(jax.process_index()), "1")
+    except Exception:  # noqa: BLE001 - the job is already going down
+        pass
+
+
 def fail_fast() -> None:
     """Multi-process runs: a process dying of an uncaught exception prints it and exits
     at once, skipping exit handlers that wait for the other processes (this service's,
@@ -131,6 +148,8 @@ def fail_fast() -> None:
     if _SERVICE.get("fail_fast") or jax.process_count() == 1:
         return
     _SERVICE["fail_fast"] = True
+    # sys.exit / a normal return while others still wait for this process's plan
+    atexit.register(mark_exiting)
     hook = sys.excepthook
 
     def excepthook(*exc: Any) -> None:

@@ -147,6 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            errors="backslashreplace",  # a rank's non-UTF-8 bytes must not stop the pump
             bufsize=1,
             preexec_fn=_die_with_parent,
         )

@@ -95,7 +95,14 @@ def check_same_plan(
     for p in group:
         if p == loc.me:
             continue
-        raw = _poll(kv, f"multimesh/plan/{tag}/{seq}/{p}", timeout_s)
+        raw = _poll(kv, f"multimesh/plan/{tag}/{seq}/{p}", timeout_s, gone=_exiting_key(p))
+        if raw is _GONE:
+            raise RuntimeError(
+                f"{what}: process {p} exited (sys.exit, an error it caught, or the end of "
+                f"its script) without building its plan number {seq} for this call. Every "
+                "process must call the same mm.jit functions, in the same order, until "
+                "the end."
+            )
         if raw is None:
             raise RuntimeError(
                 f"{what}: process {p} did not build its plan number {seq} within "
@@ -127,17 +134,36 @@ def check_same_plan(
         )
 
 
-def _poll(kv: Any, key: str, timeout_s: float) -> str | None:
-    """The value of ``key`` once another process sets it (``None`` after ``timeout_s``),
-    polled with short sleeps (at most 50 ms between tries)."""
+_GONE = object()
+
+
+def _exiting_key(process: int) -> str:
+    from multimesh.distributed._host import exiting_key
+
+    return exiting_key(process)
+
+
+def _poll(kv: Any, key: str, timeout_s: float, gone: str | None = None) -> Any:
+    """The value of ``key`` once another process sets it (``None`` after ``timeout_s``;
+    ``_GONE`` once ``gone`` is set: that process is exiting), polled with short sleeps
+    (at most 50 ms between tries; ``gone`` every 0.25 s)."""
     deadline = time.monotonic() + timeout_s
     wait = 0.0005
+    next_gone = time.monotonic() + 0.25
     while True:
         try:
             return kv.key_value_try_get(key)
         except Exception:  # noqa: BLE001 - not set yet (the runtime's NotFound error)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 return None
+            if gone is not None and now > next_gone:
+                next_gone = now + 0.25
+                try:
+                    kv.key_value_try_get(gone)
+                    return _GONE
+                except Exception:  # noqa: BLE001 - not exiting
+                    pass
         time.sleep(wait)
         wait = min(wait * 2, 0.05)
 
