@@ -244,3 +244,39 @@ def test_bad_arguments_are_named(mesh4x2):
         g(jnp.ones(3), "text")
     with pytest.raises(OverflowError, match="argument path is n"):
         g(jnp.ones(3), 2**40)
+
+
+def test_mutable_array_references(mesh4x2):
+    """jax.new_ref: within one task it runs (as under jax.jit); as an argument, or used
+    across tasks, a clear error instead of JAX's internal ones."""
+    x = jnp.ones((8, 4))
+
+    def inside(x):
+        with mm.task("a", stage=0):
+            r = jax.new_ref(jnp.zeros_like(x))
+            r[...] += x
+            h = r[...] * 2
+        with mm.task("b", stage=1):
+            return h + 1
+
+    np.testing.assert_allclose(run(inside, mesh4x2, x), jax.jit(inside)(x))
+
+    def arg(r, x):
+        with mm.task("a", stage=0):
+            r[...] += x
+        with mm.task("b", stage=1):
+            return x * 3
+
+    with pytest.raises(TypeError, match=r"argument r: a mutable array reference"):
+        run(arg, mesh4x2, jax.new_ref(jnp.zeros_like(x)), x)
+
+    def across(x):
+        r = jax.new_ref(jnp.zeros_like(x))
+        with mm.task("a", stage=0):
+            r[...] += x
+        with mm.task("b", stage=1):
+            r[...] *= 3
+        return r[...]
+
+    with pytest.raises(ValueError, match=r"reference .* cannot cross tasks"):
+        run(across, mesh4x2, x)

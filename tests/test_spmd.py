@@ -250,6 +250,10 @@ def test_explicit_axes_arguments_and_mesh_context(mesh222):
 
     xe = jax.device_put(x, NamedSharding(emesh, P("data")))
     assert_close(mm.jit(loss, mesh=mesh222)(w, xe), jax.jit(loss)(w, xe), rtol=1e-6)
+    # its layout is kept (re-wrapped for the Auto submesh, not put replicated)
+    c = mm.jit(loss, mesh=mesh222).lower(w, xe).compile()
+    assert c.input_shardings[0][1].spec == P("data"), c.input_shardings
+    assert_close(c(w, xe), jax.jit(loss)(w, xe), rtol=1e-6)
     g = jax.grad(loss)
     with jax.set_mesh(emesh):
         want = np.asarray(jax.jit(g)(w, x))

@@ -142,3 +142,35 @@ def test_residual_add_outside_tasks_stays_downstream(mesh4x2):
     plan = f.lower(*got[:1], x, y).plan
     moved = [(t.src_stage, t.dst_stage) for t in plan.transfers if t.src_stage != t.dst_stage]
     assert sorted(moved) == [(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2)], plan.as_text()
+
+
+@pytest.mark.parametrize("wrapper", ["apply_if_finite", "multisteps"])
+def test_optimizer_under_a_cond_stays_on_its_stages(mesh4x2, wrapper):
+    """optax.apply_if_finite / MultiSteps run the whole update under one lax.cond: split
+    per leaf group (conds.split_conds), each stage's update runs on that stage, so
+    parameters and moments stay put and only scalars (counts) cross submeshes."""
+    inner = optax.adam(1e-2)
+    opt = (
+        optax.apply_if_finite(inner, 3)
+        if wrapper == "apply_if_finite"
+        else optax.MultiSteps(inner, every_k_schedule=2)
+    )
+    step = make(4, opt)
+    params = init(4)
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    y = jax.random.normal(jax.random.key(2), (4, 8))
+    mstep = mm.jit(step, mesh=mesh4x2)
+    mp, ms = params, opt.init(params)
+    rp, rs = params, opt.init(params)
+    for i in range(3):
+        if i >= 1:
+            plan = mstep.lower(mp, ms, x, y).plan
+            moved = [t for t in plan.transfers if t.src_stage != t.dst_stage]
+            assert all(t.nbytes <= 4 * 8 * 4 for t in moved), plan.as_text()
+            assert len([t for t in moved if t.shape == ()]) <= 2 * 3, plan.as_text()
+        mp, ms, ml = mstep(mp, ms, x, y)
+        with mesh4x2:
+            rp, rs, rl = jax.jit(step)(rp, rs, x, y)
+        assert_close(ml, rl, rtol=1e-5)
+        assert_close((mp, ms), (rp, rs), rtol=1e-5, atol=1e-6)
+    assert [stage_of(p["w"], mesh4x2) for p in mp] == [0, 1, 2, 3]

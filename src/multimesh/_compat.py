@@ -614,6 +614,26 @@ def psum_over_replicas(jaxpr: Any, axis: str, size: int) -> Any:
     return jaxpr.replace(eqns=eqns)
 
 
+def is_ref(x: Any) -> bool:
+    """A mutable array reference (``jax.new_ref``)."""
+    ref = getattr(jax, "Ref", None)
+    return ref is not None and isinstance(x, ref)
+
+
+def is_ref_aval(aval: Any) -> bool:
+    from jax._src.state import types as st
+
+    return isinstance(aval, st.AbstractRef)
+
+
+def dce_jaxpr(jaxpr: Any, used_outputs: Sequence[bool], keep_inputs: Any = False) -> Any:
+    """JAX's dead-code elimination: ``(jaxpr with only the work for used_outputs, the
+    inputs it kept)``; ``keep_inputs`` (bools) keeps inputs even when unused."""
+    from jax._src.interpreters import partial_eval as pe
+
+    return pe.dce_jaxpr(jaxpr, list(used_outputs), keep_inputs)
+
+
 def retype_literal_value(val: Any, aval: Any) -> Any:
     """A literal's value with a new type: JAX's typed array literals carry their aval."""
     from jax._src import literals as _literals

@@ -39,7 +39,7 @@ from multimesh.arguments import (
     spec_axes,
     trace_arg,
 )
-from multimesh.compiler import inline, label, layers
+from multimesh.compiler import conds, inline, label, layers
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.rules import Rules
 from multimesh.mesh import MultiMesh, active_multimesh, reset_active, set_active
@@ -212,6 +212,7 @@ class MpmdFunction:
         limit = mmesh.num_stages * chunks if mmesh is not None else 0
         prog: FlatProgram = inline.flatten(closed, rules, limit)
         if mmesh is not None:
+            prog = conds.split_conds(prog)
             prog = layers.split_scans(prog, rules, mmesh.num_stages, limit)
         labels: Labels = label.label(prog, mmesh, rules, chunks)
         traced = Traced(

@@ -243,6 +243,13 @@ def leaf_key(x: Any) -> tuple[Any, ...]:
         return (type(x),)
     if isinstance(x, np.generic):
         return ((), jax.dtypes.canonicalize_dtype(x.dtype), False, None)
+    if _compat.is_ref(x):
+        raise TypeError(
+            "a mutable array reference (jax.new_ref) cannot be an mm.jit argument (its "
+            "writes would have to reach the caller from another submesh); pass the array "
+            "(ref[...]) and return its new value, or create the reference inside the "
+            "function, within one task."
+        )
     if isinstance(x, jax.ShapeDtypeStruct):
         sh = x.sharding if isinstance(x.sharding, Sharding) else None
         return (

@@ -24,6 +24,7 @@ from typing import Any
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from multimesh import _compat
+from multimesh.compiler import inline
 from multimesh.compiler.ir import FlatProgram, Labels, Literal, Placement
 from multimesh.schedules import Action
 
@@ -981,6 +982,25 @@ def _dispatch_order(groups, seqs: dict[int, list[int]], effects: bool = False) -
     return order
 
 
+def _ref_error(prog: FlatProgram, frags: list[Fragment], k: int, consumers: set[Any]) -> str:
+    def what(f: Fragment) -> str:
+        tasks = sorted({str(r.name) for i in f.eqns for r in inline.eqn_tasks(prog.eqns[i])})
+        return f"work on stage {f.stage} (tasks {tasks})"
+
+    others = [frags[c] for c in consumers if isinstance(c, int) and c != k]
+    where = (
+        f"by other {what(others[0])}"
+        if others
+        else "outside the work that made it (moved to another submesh or returned)"
+    )
+    return (
+        f"a mutable array reference (jax.new_ref) made by {what(frags[k])} is used "
+        f"{where}. A reference cannot cross tasks, submeshes or microbatches under "
+        "mm.jit: keep it within one task, or pass its value (ref[...]) and write the "
+        "result back where the reference lives."
+    )
+
+
 def wire(prog: FlatProgram, placement: Placement, frags: list[Fragment]) -> None:
     """Fill each fragment's input and output slots."""
     producer: dict[Slot, int] = {}
@@ -1017,6 +1037,8 @@ def wire(prog: FlatProgram, placement: Placement, frags: list[Fragment]) -> None
         if k is None:
             continue
         if any(c != k for c in consumers):
+            if _compat.is_ref_aval(slot[0].aval):
+                raise ValueError(_ref_error(prog, frags, k, consumers))
             frags[k].outputs.append(slot)
     # outputs in program order: the same work for another microbatch (or stage) then has
     # the same signature, so it shares (or relocates) one executable

@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh import _compat
+from multimesh.arguments import spec_axes
 from multimesh.compiler import layers
 from multimesh.compiler import shardings as shard_pass
 from multimesh.compiler.host_inputs import HOST_CONST_MAX_BYTES
@@ -529,7 +530,8 @@ class Executable:
                 sh = (
                     chooser(ip.stage)
                     if chooser is not None
-                    else NamedSharding(mesh, PartitionSpec())
+                    else _kept_layout(sample_args[a], targets[ip.stage])
+                    or NamedSharding(mesh, PartitionSpec())
                 )
             slot_sh[sid] = sh
             all_arg.setdefault(a, []).append(sh)
@@ -759,6 +761,25 @@ class Executable:
             for i in free:
                 env[i] = None
         return self.finish(env)
+
+
+def _kept_layout(x: Any, target: Any) -> Any:
+    """For an array put onto a submesh whose devices (in order) it already is on (typed
+    by an Explicit-axes mesh, which fragments traced on Auto submeshes cannot take as
+    is): its layout there, so it is re-wrapped (no copy) instead of replicated."""
+    sh = getattr(x, "sharding", None)
+    if not isinstance(sh, NamedSharding) or not isinstance(x, jax.Array):
+        return None
+    mesh = target.mesh
+    if _compat.device_assignment_ids(sh) != tuple(target.device_ids):
+        return None
+    if not spec_axes(sh.spec) <= set(mesh.axis_names):
+        return None
+    try:
+        out = NamedSharding(mesh, sh.spec)
+        return out if out.is_equivalent_to(sh, x.ndim) else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _local_processes() -> int:
