@@ -101,6 +101,12 @@ def test_scanned_layers_with_microbatches_and_adam(schedule, mesh4x2):
     assert_close(ms, rs, rtol=1e-5, atol=1e-6)
     assert_stage_sharded(ms[0], mesh4x2)
     assert_stage_sharded(ms[1][0].mu, mesh4x2)  # optimizer state too
+    # ... and the next step reads each stage's rows of the moments in place (`b1 * mu`
+    # was made whole on one stage, the stacked moments put there every step)
+    plan = f.lower(ms, x, y).plan
+    nstate = len(jax.tree.leaves(ms))
+    assert not [p for p in plan.inputs if p.mode == "put" and p.arg < nstate], plan.as_text()
+    assert all(t.nbytes <= 4 * D * 4 for t in plan.transfers), plan.as_text()
 
 
 def test_stacked_weights_also_used_whole_fed_back(mesh4x2):

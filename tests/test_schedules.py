@@ -97,6 +97,20 @@ def test_simulate_checks_its_arguments():
         S.simulate("1f1b", 0, 4)
     a = S.simulate("1f1b", np.int64(2), np.int32(4))  # NumPy ints, as in Custom orders
     assert a.bubble_fraction == pytest.approx(S.simulate("1f1b", 2, 4).bubble_fraction)
+    with pytest.raises(ValueError, match="num_chunks=3 but the schedule was made with"):
+        S.simulate(S.Interleaved1F1B(num_chunks=2), 4, 8, num_chunks=3)
+
+
+def test_plot_on_given_axes_saves_to_path(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    S.simulate("interleaved-1f1b", 2, 4, num_chunks=2).plot(str(tmp_path / "i.png"), ax=ax)
+    plt.close(fig)
+    assert (tmp_path / "i.png").stat().st_size > 1000
 
 
 def test_interleaved_num_chunks_must_match_the_model():

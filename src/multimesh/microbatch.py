@@ -106,11 +106,12 @@ def microbatch(
     on the host, each put where it is used (unless ``in_shardings`` asks for a layout).
     """
     if (
-        not isinstance(num_microbatches, int)
+        not isinstance(num_microbatches, (int, np.integer))
         or isinstance(num_microbatches, bool)
         or (num_microbatches < 1)
     ):
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}.")
+    num_microbatches = int(num_microbatches)
     sched = _schedules.get(schedule)
     _check_reduce(reduce)
     if not isinstance(axis, int) or isinstance(axis, bool):

@@ -97,7 +97,7 @@ def split_scans(prog: FlatProgram, rules: Any, num_stages: int, limit: int) -> F
         eqns.append(e)
     if not changed:
         return prog
-    return dataclasses.replace(prog, eqns=eqns, splits=splits)
+    return dataclasses.replace(prog, eqns=_sink_slices(eqns), splits=splits)
 
 
 def _runs(stages: list[int]) -> Ranges:
@@ -194,6 +194,52 @@ def _sds(aval: Any) -> jax.ShapeDtypeStruct:
 def _slice(x: Any, a: int, b: int, like: Any, eqns: list[Any]) -> Any:
     out = _compat.Var(x.aval.update(shape=(b - a, *x.aval.shape[1:])))
     eqns.extend(_traced_eqns(lambda v: jax.lax.slice_in_dim(v, a, b, axis=0), [x], [out], like))
+    return out
+
+
+def _sink_slices(eqns: list[Any]) -> list[Any]:
+    """Cut element-wise work before it, not after: a piece of ``b1 * mu`` (an optimizer's
+    stacked moment, a program argument) becomes ``b1 * piece(mu)``, so each stage reads
+    its own rows of the argument (per-stage inputs where it is sharded over the stage
+    axis, see :func:`bind_stage_inputs`) instead of the whole value being made on one
+    stage and moved. Work whose whole value nothing else reads is then never run (the
+    placement only runs what outputs need). Any row cut (``slice`` along axis 0) of
+    element-wise work moves up: the same values, less work."""
+    producer = {o: e for e in eqns for o in e.outvars}
+    out: list[Any] = []
+
+    def rows(x: Any, a: int, b: int, dst: Any, like: Any) -> None:
+        e = producer.get(x)
+        shape = tuple(x.aval.shape)
+        if (
+            e is not None
+            and e.primitive.name in _ELEMENTWISE
+            and len(e.outvars) == 1
+            and not e.effects
+            and all(
+                isinstance(v, Literal) or tuple(v.aval.shape) in ((), shape) for v in e.invars
+            )
+        ):
+            args = []
+            for v in e.invars:
+                if isinstance(v, Literal) or tuple(v.aval.shape) == ():
+                    args.append(v)
+                else:
+                    piece = _compat.Var(v.aval.update(shape=(b - a, *v.aval.shape[1:])))
+                    rows(v, a, b, piece, like)
+                    args.append(piece)
+            out.append(e.replace(invars=args, outvars=[dst]))
+            return
+        out.extend(
+            _traced_eqns(lambda v: jax.lax.slice_in_dim(v, a, b, axis=0), [x], [dst], like)
+        )
+
+    for e in eqns:
+        cut = _row_slice(e) if e.primitive.name == "slice" else None
+        if cut is not None and e.invars[0] in producer:
+            rows(e.invars[0], cut[0], cut[1], e.outvars[0], e)
+            continue
+        out.append(e)
     return out
 
 

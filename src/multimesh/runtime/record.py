@@ -123,10 +123,15 @@ def record_run(exe: Any, args: Sequence[Any]) -> tuple[list[Any], Timeline]:
     events: list[list[Event]] = [[] for _ in stages]
     for k, f in enumerate(plan.frags):
         info = plan.fragments[k]
-        act = f.actions[0] if f.actions else Action(f.stage, -1, (f.phases or "F")[0])
-        events[index[f.stage]].append(
-            Event(act, (starts[k] - t_origin) * 1e6, (ends[k] - t_origin) * 1e6, info.name)
-        )
+        acts = f.actions or [Action(f.stage, -1, (f.phases or "F")[0])]
+        # one fragment running several actions (the last stage's forward and backward
+        # merged: 'l1:F0+B0') is one launch: shown as equal consecutive parts
+        t0, t1 = (starts[k] - t_origin) * 1e6, (ends[k] - t_origin) * 1e6
+        part = (t1 - t0) / len(acts)
+        for j, act in enumerate(acts):
+            events[index[f.stage]].append(
+                Event(act, t0 + j * part, t0 + (j + 1) * part, info.name)
+            )
     for row in events:
         row.sort(key=lambda e: e.start)
     tl = Timeline(

@@ -107,6 +107,7 @@ class Timeline:
         if ax is None:
             fig, ax = plt.subplots(figsize=(12, 0.6 * self.num_submeshes + 1.5))
         colors = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+        many = len({e.action.stage for row in self.events for e in row}) > self.num_submeshes
         t0 = min((e.start for row in self.events for e in row), default=0.0)
         for s, row in enumerate(self.events):
             for e in row:
@@ -121,7 +122,9 @@ class Timeline:
                 ax.text(
                     e.start - t0 + (e.end - e.start) / 2,
                     s,
-                    f"{e.action.phase}{e.action.microbatch}",
+                    # interleaved: which of the submesh's stages (chunks) it is
+                    f"{e.action.phase}{e.action.microbatch}"
+                    + (f":{e.action.stage}" if many else ""),
                     ha="center",
                     va="center",
                     fontsize=7,
@@ -140,6 +143,8 @@ class Timeline:
             if path is not None:
                 fig.savefig(path, dpi=100)
                 plt.close(fig)
+        elif path is not None:  # the caller's axes: save their figure
+            ax.figure.savefig(path, dpi=100)
         return ax
 
 
@@ -155,11 +160,14 @@ def simulate(
 ) -> Timeline:
     """Simulate ``schedule`` on ``num_stages`` submeshes with ``num_microbatches``.
 
-    Each action takes its phase's cost (for split backwards, ``backward_cost`` is shared
-    between B and W: by default half each). An action starts when its submesh is free and
-    its dependencies have finished (plus ``comm_cost`` when they ran on another submesh).
-    ``peak_in_flight[s]``: most microbatches whose activations submesh ``s`` holds at once
-    (forward started, backward (or W) not finished).
+    Each action takes its phase's cost. For split backwards (zero-bubble), without
+    ``weight_cost`` the ``backward_cost`` is shared half and half between B and W; with
+    it, ``backward_cost`` is B's cost and ``weight_cost`` W's. An action starts when its
+    submesh is free and its dependencies have finished (plus ``comm_cost`` when they ran
+    on another submesh). ``peak_in_flight[s]``: most microbatches whose activations
+    submesh ``s`` holds at once (forward started, backward (or W) not finished); with
+    interleaving, each (microbatch, chunk) counts, so it can exceed the microbatches.
+    ``num_chunks`` (interleaving: stages per submesh) defaults to the schedule's.
     """
     num_stages = _count("num_stages", num_stages)
     num_microbatches = _count("num_microbatches", num_microbatches)
@@ -179,6 +187,12 @@ def simulate(
         raise ValueError(
             f"simulate: weight_cost applies to schedules that split the backward "
             f"(zero-bubble); {sched.name!r} runs each backward whole (backward_cost)."
+        )
+    fixed = getattr(sched, "num_chunks", None)
+    if num_chunks is not None and fixed is not None and fixed != num_chunks:
+        raise ValueError(
+            f"simulate: num_chunks={num_chunks} but the schedule was made with "
+            f"num_chunks={fixed}; give one of them."
         )
     chunks = num_chunks if num_chunks is not None else sched.chunks(num_stages)
     order = sched.build(num_stages, num_microbatches, chunks)
