@@ -334,6 +334,23 @@ def test_grad_outside_of_a_nonlinear_function_of_the_loop(reduce):
             mm.jit(fn(schedule), mesh=mmesh).lower(ws, x, y)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_grad_outside_two_loops(schedule):
+    """jax.grad outside two microbatch loops summed: JAX adds the second loop's weight
+    cotangents into the first loop's backward; that sum runs after the loops (it was
+    refused as a deadlock). A second loop fed by the first's output is a clear error."""
+    mmesh = stage_mesh(2)
+    ws = weights(2)
+    x, y = data(8)
+    mb = mm.microbatch(mlp(2), 2, argnums=(1, 2), schedule=schedule)
+    g = jax.value_and_grad(lambda ws, x, y: mb(ws, x, y) + 2 * mb(ws, 2 * x, y))
+    got = mm.jit(g, mesh=mmesh)(ws, x, y)
+    assert_close(got, reference(g, mmesh, ws, x, y), rtol=1e-5, atol=1e-6)
+    chain = jax.grad(lambda ws, x, y: mb(ws, x * mb(ws, x, y), y))
+    with pytest.raises(ValueError, match="feeds the backward of an earlier one"):
+        mm.jit(chain, mesh=mmesh).lower(ws, x, y)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
 @pytest.mark.parametrize("grad_outside", [False, True])
 def test_stages_in_reverse_order(schedule, grad_outside):

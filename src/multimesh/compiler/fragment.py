@@ -351,7 +351,7 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
                 # mm.microbatch. It runs within that loop, between the work it needs and
                 # the work that needs it (every forward before it, every backward after)
                 if hi != lo - 1:
-                    raise ValueError(_barrier_error(groups, gid, labels, prog, None))
+                    raise ValueError(_loops_error(groups, gid, prog))
                 inside[gid] = my_loops[hi]
                 gaps[gid] = hi  # its producers outside loops run before that loop
             else:
@@ -925,6 +925,19 @@ def _within_loop(groups, gid: int, order: list[int], labels, prog, sched: Any) -
     return order[: last + 1] + [gid] + order[last + 1 :]
 
 
+def _loops_error(groups, gid: int, prog) -> str:
+    g = groups[gid]
+    ops = sorted({prog.eqns[i].primitive.name for i in g.eqns})[:6]
+    return (
+        f"work on stage {g.stage} (operations {ops}) needs the results of one microbatch "
+        "loop and feeds the backward of an earlier one: jax.grad taken outside several "
+        "mm.microbatch loops that are combined non-linearly, or one loop's input made from "
+        "another loop's output. Their forwards and backwards cannot be ordered one loop "
+        "after the other. Take the gradient inside each loop "
+        "(mm.microbatch(jax.value_and_grad(loss), M)) and combine the results outside."
+    )
+
+
 def _barrier_error(groups, gid: int, labels, prog, sched: Any) -> str:
     g = groups[gid]
     name = sched[0].name if sched else None
@@ -935,9 +948,10 @@ def _barrier_error(groups, gid: int, labels, prog, sched: Any) -> str:
         "mm.microbatch of a non-linear function of its result (e.g. loss ** 2, log, "
         "sqrt). Every microbatch's forward must then finish before any backward starts"
         + (f", which schedule {name!r} does not do" if name else "")
-        + ". Use schedule='gpipe', or microbatch the gradient itself "
-        "(mm.microbatch(jax.value_and_grad(loss), M)) and apply the non-linear function "
-        "to the accumulated result with the chain rule outside."
+        + (". Use schedule='gpipe', or" if name != "gpipe" else ". Instead,")
+        + " microbatch the gradient itself (mm.microbatch(jax.value_and_grad(loss), M)) "
+        "and apply the non-linear function to the accumulated result with the chain rule "
+        "outside."
     )
 
 

@@ -186,8 +186,14 @@ def _loop_order_fixes(
             if d is not None:
                 dep[d[0]] = max(dep.get(d[0], -1), d[1])
         mb = out[i]
-        if mb is not None and dep.get(mb[0], -1) > mb[1]:
-            out[i] = None  # runs after the loop, next to the data it sums
+        if mb is not None and (
+            dep.get(mb[0], -1) > mb[1] or any(loop > mb[0] for loop in dep)
+        ):
+            # runs after the loop, next to the data it sums (also JAX's sum of a weight's
+            # cotangents from a later loop into an earlier one's backward, with jax.grad
+            # outside two loops; and an earlier loop's backward that needs a later
+            # loop's whole backward: the later loop's input came from the earlier one)
+            out[i] = None
         if mb is not None:
             dep[mb[0]] = max(dep.get(mb[0], -1), mb[1])
         if dep and mbs[i] is not None:
