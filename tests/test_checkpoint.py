@@ -250,6 +250,12 @@ def test_manager_refuses_what_it_would_lose(tmp_path):
         mm.checkpoint.CheckpointManager(tmp_path / "z", max_to_keep=0)
     with pytest.raises(ValueError, match=r"save_interval_steps=0\)"):
         mm.checkpoint.CheckpointManager(tmp_path / "z", save_interval_steps=0)
+    for empty in (None, {}, [None]):  # Orbax's bare "Found empty item."
+        with pytest.raises(ValueError, match="the state has no values"):
+            mm.checkpoint.save(tmp_path / "e", empty)
+    with mm.checkpoint.CheckpointManager(tmp_path / "e2") as m:
+        with pytest.raises(ValueError, match="the state has no values"):
+            m.save(1, {})
 
     d = tmp_path / "ck"
     with mm.checkpoint.CheckpointManager(d) as m:

@@ -357,6 +357,7 @@ def save(
 
     Every process must call it (as with any multi-process save). ``step`` is recorded in
     the checkpoint's metadata. ``force=True`` replaces an existing checkpoint."""
+    _check_has_leaves(state, "mm.checkpoint.save")
     ocp = _ocp()
     path = Path(path).absolute()
     accept_mpmd_arrays()
@@ -366,6 +367,15 @@ def save(
             args=ocp.args.PyTreeSave(_without_empty(state)),
             force=force,
             custom_metadata={"step": step},
+        )
+
+
+def _check_has_leaves(state: Any, what: str) -> None:
+    if not jax.tree_util.tree_leaves(state):
+        raise ValueError(
+            f"{what}: the state has no values ({type(state).__name__} with no leaves: None "
+            "or an empty pytree); there is nothing to save. Pass the pytree of arrays to "
+            "keep (e.g. (params, opt_state))."
         )
 
 
@@ -485,6 +495,7 @@ class CheckpointManager:
         arrays are copied first, so training may go on and donate them). Returns
         whether a save happened (``save_interval_steps``)."""
         step = _step_number(step)
+        _check_has_leaves(state, "CheckpointManager.save")
         latest = self._m.latest_step()
         if latest is not None and step < latest:
             raise ValueError(
