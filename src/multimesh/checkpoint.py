@@ -379,6 +379,16 @@ def _check_has_leaves(state: Any, what: str) -> None:
         )
 
 
+def _check_count(name: str, value: Any, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(
+            f"CheckpointManager({name}={value!r}): give an integer >= 1"
+            + (" (None keeps every step)." if none_ok else ".")
+        )
+
+
 def restore(path: str | os.PathLike, target: Any) -> Any:
     """Read the checkpoint at ``path`` into the layout of ``target`` (see the module
     docstring); every process reads only the shards of its own devices."""
@@ -452,18 +462,8 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         async_save: bool = True,
     ) -> None:
-        for name, value, least in (
-            ("max_to_keep", max_to_keep, 1),
-            ("save_interval_steps", save_interval_steps, 1),
-        ):
-            if value is None and name == "max_to_keep":
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-                raise ValueError(
-                    f"CheckpointManager({name}={value!r}): give an integer >= {least}"
-                    + (" (None keeps every step)" if name == "max_to_keep" else "")
-                    + "."
-                )
+        _check_count("max_to_keep", max_to_keep, none_ok=True)
+        _check_count("save_interval_steps", save_interval_steps)
         ocp = _ocp()
         self.directory = Path(directory).absolute()
         if self.directory.exists() and not self.directory.is_dir():

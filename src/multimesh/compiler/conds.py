@@ -12,6 +12,8 @@ such as the count, are read by every group). A pure pass over the flat program.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 from multimesh import _compat
@@ -32,16 +34,7 @@ def split_conds(prog: FlatProgram) -> FlatProgram:
         else:
             eqns.extend(parts)
             changed = True
-    if not changed:
-        return prog
-    return FlatProgram(
-        invars=prog.invars,
-        constvars=prog.constvars,
-        consts=prog.consts,
-        outvars=prog.outvars,
-        eqns=eqns,
-        splits=prog.splits,
-    )
+    return dataclasses.replace(prog, eqns=eqns) if changed else prog
 
 
 def _split(e: Any) -> list[Any] | None:
@@ -57,7 +50,9 @@ def _split(e: Any) -> list[Any] | None:
     if n_out < 2:
         return None
     # scalars (a step count, a learning rate) may be read by several groups
-    big = [not isinstance(a, _compat.Literal) and _size(a.aval) > 1 for a in operands]
+    big = [
+        not isinstance(a, _compat.Literal) and math.prod(a.aval.shape) > 1 for a in operands
+    ]
     # outputs joined by the large operands they read (in any branch)
     parent = list(range(n_out))
 
@@ -68,22 +63,16 @@ def _split(e: Any) -> list[Any] | None:
         return x
 
     reader: dict[int, int] = {}  # large operand -> an output reading it
-    free: list[int] = []  # outputs reading no large operand
     for b in branches:
         for j, mask in enumerate(_input_masks(b.jaxpr)):
-            ins = [k for k in range(len(operands)) if mask >> k & 1 and big[k]]
-            if not ins:
-                continue
-            for k in ins:
-                if k in reader:
-                    parent[find(j)] = find(reader[k])
-                else:
-                    reader[k] = j
-    for j in range(n_out):
-        if not any(find(j) == find(reader[k]) for k in reader):
-            free.append(j)
+            for k in range(len(operands)):
+                if mask >> k & 1 and big[k]:
+                    parent[find(j)] = find(reader.setdefault(k, j))
+    # outputs reading no large operand (counts, flags): one group
+    readers = set(reader.values())
+    free = [j for j in range(n_out) if j not in readers and find(j) == j]
     for j in free[1:]:
-        parent[find(j)] = find(free[0])
+        parent[j] = free[0]
     groups: dict[int, list[int]] = {}
     for j in range(n_out):
         groups.setdefault(find(j), []).append(j)
@@ -144,9 +133,3 @@ def _compose(inner: int, ins: list[int]) -> int:
         k += 1
     return m
 
-
-def _size(aval: Any) -> int:
-    n = 1
-    for d in getattr(aval, "shape", ()):
-        n *= int(d)
-    return n

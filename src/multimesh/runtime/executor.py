@@ -768,18 +768,10 @@ def _kept_layout(x: Any, target: Any) -> Any:
     by an Explicit-axes mesh, which fragments traced on Auto submeshes cannot take as
     is): its layout there, so it is re-wrapped (no copy) instead of replicated."""
     sh = getattr(x, "sharding", None)
-    if not isinstance(sh, NamedSharding) or not isinstance(x, jax.Array):
+    if not isinstance(sh, NamedSharding) or not spec_axes(sh.spec) <= set(target.mesh.axis_names):
         return None
-    mesh = target.mesh
-    if _compat.device_assignment_ids(sh) != tuple(target.device_ids):
-        return None
-    if not spec_axes(sh.spec) <= set(mesh.axis_names):
-        return None
-    try:
-        out = NamedSharding(mesh, sh.spec)
-        return out if out.is_equivalent_to(sh, x.ndim) else None
-    except (TypeError, ValueError):
-        return None
+    out = NamedSharding(target.mesh, sh.spec)
+    return out if _compat.same_layout_as(x, out) else None
 
 
 def _local_processes() -> int:
