@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh import _compat
 from multimesh.arguments import spec_axes
-from multimesh.compiler import layers
+from multimesh.compiler import conds, layers
 from multimesh.compiler import shardings as shard_pass
 from multimesh.compiler.host_inputs import HOST_CONST_MAX_BYTES
 from multimesh.compiler.ir import FlatProgram, Labels, aval_nbytes
@@ -457,7 +457,7 @@ class Executable:
             )
             ctx = shard_pass.Ctx(tmesh, global_mesh, stage_axis, where)
             eqns.append(shard_pass.rewrite_eqn(prog.eqns[i], ctx))
-        jaxpr = _compat.make_jaxpr_obj(ins, outs, eqns, name)
+        jaxpr = _compat.make_jaxpr_obj(ins, outs, conds.merge_conds(eqns), name)
         same_work[work] = hit = (
             jaxpr,
             _compat.jaxpr_fingerprint(jaxpr),
