@@ -233,6 +233,46 @@ def test_in_shardings_validated(mesh4x2):
     assert_close(f(W, X), reference(two_stage, mesh4x2, W, X))
 
 
+def test_shardings_on_reordered_or_foreign_devices(mesh4x2):
+    """A NamedSharding on a submesh's devices in another order works as under jax.jit
+    (in: laid out on the submesh; out: moved there after the program); one on devices
+    that are neither the global mesh nor the submesh using the argument is a clear error
+    (it was silently replaced by the submesh)."""
+    d = jax.devices()
+    want = reference(two_stage, mesh4x2, W, X)
+    rev0 = NamedSharding(jax.sharding.Mesh(np.array([d[1], d[0]]), ("data",)), P("data"))
+    rev1 = NamedSharding(jax.sharding.Mesh(np.array([d[3], d[2]]), ("data",)), P("data"))
+    f = mm.jit(two_stage, mesh=mesh4x2, in_shardings=(rev0, None), out_shardings=rev1)
+    got = f(W, X)
+    assert_close(got, want)
+    assert got.sharding == rev1
+    assert_close(f(jax.device_put(W, rev0), X), want)
+    other = NamedSharding(jax.sharding.Mesh(np.array([d[6], d[7]]), ("data",)), P("data"))
+    with pytest.raises(ValueError, match=r"argument w: .* is not on the submesh that uses it"):
+        mm.jit(two_stage, mesh=mesh4x2, in_shardings=(other, None))(W, X)
+    with pytest.raises(ValueError, match=r"argument w: .* has 3 entries, but that argument has"):
+        mm.jit(two_stage, mesh=mesh4x2, in_shardings=(P(None, None, "data"), None))(W, X)
+    with pytest.raises(ValueError, match=r"positional arguments only .*\['x'\]"):
+        mm.jit(two_stage, mesh=mesh4x2, in_shardings=(None, None))(W, x=X)
+
+
+def test_struct_call_and_eval_shape_errors(mesh4x2):
+    """Calling with a ShapeDtypeStruct names the argument at once (it failed inside the
+    executor after compiling); jax.eval_shape of an mm.jit function points to
+    ``.eval_shape``."""
+    f = mm.jit(two_stage, mesh=mesh4x2)
+    sds = jax.ShapeDtypeStruct(W.shape, W.dtype)
+    with pytest.raises(TypeError, match=r"argument w: .*ShapeDtypeStruct, not a value"):
+        f(sds, X)
+    compiled = f.lower(sds, X).compile()
+    with pytest.raises(TypeError, match=r"argument w: .*ShapeDtypeStruct, not a value"):
+        compiled(sds, X)
+    assert_close(compiled(W, X), reference(two_stage, mesh4x2, W, X))
+    with pytest.raises(TypeError, match=r"f.eval_shape"):
+        jax.eval_shape(f, W, X)
+    assert f.eval_shape(W, X).shape == (8,)
+
+
 def test_negative_static_argnums(mesh4x2):
     def f(x, scale, n):
         with mm.task("a", stage=0):

@@ -116,14 +116,14 @@ class MpmdFunction:
     def _flatten(self, call: Call) -> tuple[list[Any], Any]:
         return jax.tree_util.tree_flatten((call.dyn_args, call.dyn_kwargs))
 
-    def _keys(self, call: Call, flat: list[Any]) -> list[tuple[Any, ...]]:
+    def _keys(self, call: Call, flat: list[Any], structs: bool = True) -> list[tuple[Any, ...]]:
         try:
-            return [leaf_key(x) for x in flat]
+            return [leaf_key(x, structs) for x in flat]
         except TypeError as e:  # name the argument
             names = self._signature.leaf_names(call)
             for i, x in enumerate(flat):
                 try:
-                    leaf_key(x)
+                    leaf_key(x, structs)
                 except TypeError:
                     raise TypeError(f"argument {names[i]}: {e}") from None
             raise
@@ -256,8 +256,19 @@ class MpmdFunction:
         leaves = in_sharding_leaves(self._in_shardings, call, names)
         mmesh = self.multimesh
         stage_axis = mmesh.stage_axis if mmesh is not None else None
-        for name, s in zip(names, leaves):
+        for name, s, x in zip(names, leaves, flat):
             check_no_stage_axis(s, stage_axis, f"in_shardings for argument {name}")
+            spec = s if isinstance(s, PartitionSpec) else getattr(s, "spec", None)
+            ndim = len(getattr(x, "shape", ()))
+            if isinstance(spec, PartitionSpec) and len(spec) > ndim:
+                raise ValueError(
+                    f"in_shardings for argument {name}: {s} has {len(spec)} entries, but that "
+                    f"argument has rank {ndim} (shape {tuple(getattr(x, 'shape', ()))})."
+                )
+
+        global_ids = (
+            frozenset(int(d.id) for d in mmesh.mesh.devices.flat) if mmesh is not None else None
+        )
 
         def chooser(s: Any, name: str) -> Any:
             if s is None:
@@ -268,10 +279,14 @@ class MpmdFunction:
                 mesh = target.mesh
                 if isinstance(s, PartitionSpec):
                     spec = s
-                elif isinstance(s, NamedSharding):
-                    if frozenset(d.id for d in s.device_set) == frozenset(target.device_ids):
-                        return s
-                    spec = s.spec
+                elif isinstance(s, NamedSharding) and (
+                    _compat.device_assignment_ids(s) == target.device_ids
+                ):
+                    return s
+                elif isinstance(s, NamedSharding) and frozenset(
+                    d.id for d in s.device_set
+                ) in (frozenset(target.device_ids), global_ids):
+                    spec = s.spec  # the global mesh, or the submesh in another order
                 else:
                     raise ValueError(
                         f"in_shardings for argument {name}: {s} is not on the submesh that "
@@ -292,10 +307,10 @@ class MpmdFunction:
 
     # -- entry points -----------------------------------------------------------------
 
-    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
+    def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], structs: bool = True):
         call = self._signature.normalize(args, kwargs)
         flat, in_tree = self._flatten(call)
-        keys = self._keys(call, flat)
+        keys = self._keys(call, flat, structs)
         # JAX's settings too (x64, dtype promotion, threefry_partitionable): as jax.jit
         key = (in_tree, call.static, self._mesh_key(), tuple(keys), _compat.trace_context())
         return call, flat, in_tree, keys, key
@@ -323,7 +338,7 @@ class MpmdFunction:
             return Lowered(self, call, flat, traced, key, self._out_sharding_leaves(traced))
 
     def _compiled_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]):
-        call, flat, in_tree, keys, key = self._prepare(args, kwargs)
+        call, flat, in_tree, keys, key = self._prepare(args, kwargs, structs=False)
         compiled = self._cache.get(key)
         if compiled is None:
             with self._lock:

@@ -217,9 +217,10 @@ def _aval_of(x: Any) -> Any:
     return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
 
 
-def leaf_key(x: Any) -> tuple[Any, ...]:
+def leaf_key(x: Any, structs: bool = True) -> tuple[Any, ...]:
     """The cache-key part of one flat argument: (shape, dtype, weak type, committed
-    sharding or None). Traced values and deleted (donated) arrays are errors."""
+    sharding or None). Traced values and deleted (donated) arrays are errors, and so are
+    ``jax.ShapeDtypeStruct``s unless ``structs`` (lowering takes them, calls do not)."""
     if type(x) is _ARRAY:  # the common case, without the isinstance checks below
         if x.is_deleted():
             raise DeletedArgument()
@@ -251,6 +252,11 @@ def leaf_key(x: Any) -> tuple[Any, ...]:
             "function, within one task."
         )
     if isinstance(x, jax.ShapeDtypeStruct):
+        if not structs:
+            raise TypeError(
+                f"{x} is a jax.ShapeDtypeStruct, not a value: a call needs arrays (as "
+                "jax.jit). For shapes only use .lower(...), .trace(...) or .eval_shape(...)."
+            )
         sh = x.sharding if isinstance(x.sharding, Sharding) else None
         return (
             tuple(x.shape),
@@ -284,7 +290,9 @@ def _traced_error() -> TypeError:
     return TypeError(
         "mm.jit was called with traced values (inside jax.jit, jax.grad, jax.vmap, ...). "
         "mm.jit must be the outermost transformation: put the transformation inside, e.g. "
-        "mm.jit(jax.grad(loss), mesh=mmesh) instead of jax.grad(mm.jit(loss, mesh=mmesh))."
+        "mm.jit(jax.grad(loss), mesh=mmesh) instead of jax.grad(mm.jit(loss, mesh=mmesh)). "
+        "For output shapes use f.eval_shape(...) (not jax.eval_shape(f, ...)), or "
+        "f.lower(...) for the plan."
     )
 
 
@@ -437,16 +445,16 @@ def in_sharding_leaves(in_shardings: Any, call: Call, names: Sequence[str]) -> l
             "mm.jit(in_shardings=...) takes one sharding for all arguments or a tuple with "
             f"one entry per positional argument; got {type(in_shardings).__name__}."
         )
+    if call.dyn_kwargs:
+        raise ValueError(
+            "mm.jit(in_shardings=(...)) covers positional arguments only (as in jax.jit); "
+            f"pass {sorted(call.dyn_kwargs)} positionally."
+        )
     if len(in_shardings) != len(call.dyn_args):
         raise ValueError(
             f"mm.jit(in_shardings=...) has {len(in_shardings)} entries but the call has "
             f"{len(call.dyn_args)} positional (non-static) arguments; give one entry per "
             "argument (None for any placement)."
-        )
-    if call.dyn_kwargs:
-        raise ValueError(
-            "mm.jit(in_shardings=(...)) covers positional arguments only (as in jax.jit); "
-            f"pass {sorted(call.dyn_kwargs)} positionally."
         )
     out: list[Any] = []
     k = 0

@@ -362,7 +362,14 @@ class Compiled(_ArgsInfo):
             )
         names = self._arg_names()
         try:
-            keys = [leaf_key(x) for x in flat]
+            keys = [leaf_key(x, False) for x in flat]
+        except TypeError as e:
+            for name, x in zip(names, flat):
+                try:
+                    leaf_key(x, False)
+                except TypeError:
+                    raise TypeError(f"argument {name}: {e}") from None
+            raise
         except DeletedArgument:
             bad = next(i for i, x in enumerate(flat) if isinstance(x, jax.Array) and x.is_deleted())
             raise deleted_error(names[bad]) from None

@@ -72,7 +72,9 @@ def resolve(
     devs = frozenset(int(d.id) for d in s.device_set)
     for t in targets:
         if devs == frozenset(t.device_ids):
-            return Request({t.index: s}, final=s)
+            if tuple(_compat.device_assignment_ids(s)) == t.device_ids:
+                return Request({t.index: s}, final=s)
+            return Request({}, final=s)  # the submesh's devices in another order: moved
     if (
         isinstance(s, NamedSharding)
         and isinstance(s.mesh, Mesh)
