@@ -196,6 +196,8 @@ def test_bad_multimesh_args():
         mm.make_mesh((4, 4), ("stage", "data"))
     with pytest.raises(TypeError, match="takes a MultiMesh"):
         mm.jit(lambda x: x, mesh=mm.make_mesh((2, 4), ("stage", "data")).mesh)
+    with pytest.raises(ValueError, match=r"lists devices \[0, 1\] more than once"):
+        mm.make_mesh((2, 2), ("stage", "data"), devices=jax.devices()[:2] * 2)
 
 
 def test_task_in_scan_across_stages(mesh4x2):

@@ -44,6 +44,13 @@ class MultiMesh:
                 "JAX 0.10); build the mesh with mm.make_mesh(...) or pass "
                 "axis_types=(jax.sharding.AxisType.Auto,) * ndim."
             )
+        ids = [int(d.id) for d in mesh.devices.flat]
+        if len(set(ids)) != len(ids):
+            twice = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(
+                f"the mesh lists devices {twice} more than once; each device can belong to "
+                "one place of a MultiMesh (stages would share it and run one after another)."
+            )
         self.mesh = mesh
         self.stage_axis = stage_axis
         self._stage_dim = tuple(mesh.axis_names).index(stage_axis)
