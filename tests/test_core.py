@@ -242,3 +242,17 @@ def test_lower_compile_and_text(mesh4x2):
     compiled = lowered.compile()
     np.testing.assert_allclose(np.asarray(compiled(x)), np.sin(np.arange(4.0)) * 3, rtol=1e-6)
     assert stage_of(compiled(x), mesh4x2) == 2
+
+
+def test_scan_returning_a_constant_per_step(mesh4x2):
+    """A scan body returning a scalar constant as its per-step output (`jnp.zeros(())`)
+    on a multi-device submesh: the constant's type named the global mesh and JAX's scan
+    lowering failed inside a fragment."""
+
+    def f(xs, w):
+        with mm.task("a", stage=1):
+            c, ys = jax.lax.scan(lambda c, x: (c + x * w, jnp.zeros(())), 0.0, xs)
+        return c, ys, jax.lax.scan(lambda c, x: (c + x, jnp.bool_(True)), 0.0, xs)
+
+    xs = jnp.arange(4.0)
+    assert_close(mm.jit(f, mesh=mesh4x2)(xs, 2.0), reference(f, mesh4x2, xs, 2.0))

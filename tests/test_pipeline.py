@@ -334,6 +334,22 @@ def test_grad_outside_of_a_nonlinear_function_of_the_loop(reduce):
             mm.jit(fn(schedule), mesh=mmesh).lower(ws, x, y)
 
 
+def test_grad_of_a_microbatched_gradient_is_a_clear_error():
+    """Second order through a loop (jax.grad of a function of a microbatched gradient)
+    cannot be ordered by any schedule: the GPipe error says so (it claimed GPipe does
+    not run every forward first)."""
+    mmesh = stage_mesh(2)
+    ws = weights(2)
+    x, y = data(4)
+
+    def gg(ws, x, y):
+        inner = mm.microbatch(jax.grad(mlp(2)), 2, argnums=(1, 2), schedule="gpipe")
+        return jax.grad(lambda ws: sum(jnp.sum(g**2) for g in inner(ws, x, y)))(ws)
+
+    with pytest.raises(ValueError, match=r"second-order differentiation through the loop"):
+        mm.jit(gg, mesh=mmesh).lower(ws, x, y)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_grad_outside_two_loops(schedule):
     """jax.grad outside two microbatch loops summed: JAX adds the second loop's weight

@@ -349,6 +349,15 @@ def test_mm_jit_inside_transformations_is_a_clear_error(mesh4x2):
     for wrap in (jax.grad, jax.jit, lambda g: jax.vmap(g, in_axes=(None, 0))):
         with pytest.raises(TypeError, match="mm.jit must be the outermost transformation"):
             wrap(f)(W, X[None])
+    # concrete (closed-over) arguments inside a trace: the same error, before and after
+    # the function was compiled (JAX's own errors from inside before)
+    for _ in range(2):
+        with pytest.raises(TypeError, match="mm.jit must be the outermost transformation"):
+            jax.jit(lambda c: c + f(W, X))(1.0)
+        c = f.lower(W, X).compile()
+        with pytest.raises(TypeError, match="mm.jit must be the outermost transformation"):
+            jax.jit(lambda s, c=c: s + c(W, X))(1.0)
+        f(W, X)
 
 
 def test_non_array_output_is_named(mesh4x2):

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.extend  # noqa: F401  (jax 0.10 does not import it eagerly)
 import numpy as np
+from jax._src import core as _core
 from jax._src import mesh as _mesh_lib
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _traceback_util
@@ -561,8 +562,6 @@ def with_context_mesh(eqn: Any, mesh: Any) -> Any:
     """The equation with its traced-under abstract mesh replaced (JAX re-enters it when
     it evaluates the equation). Contexts are interned by JAX: build a new one, never
     mutate."""
-    from jax._src import core as _core
-
     ctx = eqn.ctx
     fields = _CTX_FIELDS_012 if hasattr(ctx, "cur_layout_mode") else _CTX_FIELDS_010
     if ctx.cur_abstract_mesh is mesh or ctx.cur_abstract_mesh == mesh:
@@ -612,6 +611,11 @@ def psum_over_replicas(jaxpr: Any, axis: str, size: int) -> Any:
     if not changed:
         return jaxpr
     return jaxpr.replace(eqns=eqns)
+
+
+def tracing() -> bool:
+    """Whether a JAX transformation is tracing (``jax.jit``, ``grad``, ``scan``, ...)."""
+    return not isinstance(_core.trace_ctx.trace, _core.EvalTrace)
 
 
 def is_ref(x: Any) -> bool:

@@ -38,6 +38,7 @@ from multimesh.arguments import (
     resolved_structs,
     spec_axes,
     trace_arg,
+    traced_error,
 )
 from multimesh.compiler import conds, inline, label, layers
 from multimesh.compiler.ir import FlatProgram, Labels
@@ -356,6 +357,8 @@ class MpmdFunction:
         return compiled, flat
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _compat.tracing():  # inside jax.jit / scan, even with concrete arguments
+            raise traced_error()
         compiled, flat = self._compiled_for(args, kwargs)
         return compiled.call_flat(flat)
 

@@ -228,7 +228,7 @@ def leaf_key(x: Any, structs: bool = True) -> tuple[Any, ...]:
         return (aval.shape, aval.dtype, bool(aval.weak_type), x.sharding if x._committed else None)
     if isinstance(x, jax.Array):
         if isinstance(x, jax.core.Tracer):
-            raise _traced_error()
+            raise traced_error()
         if x.is_deleted():
             raise DeletedArgument()
         committed = getattr(x, "committed", False)
@@ -286,7 +286,7 @@ def deleted_error(name: str) -> RuntimeError:
     )
 
 
-def _traced_error() -> TypeError:
+def traced_error() -> TypeError:
     return TypeError(
         "mm.jit was called with traced values (inside jax.jit, jax.grad, jax.vmap, ...). "
         "mm.jit must be the outermost transformation: put the transformation inside, e.g. "

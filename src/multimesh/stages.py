@@ -26,6 +26,7 @@ from multimesh.arguments import (
     is_extended,
     leaf_key,
     placement_text,
+    traced_error,
 )
 from multimesh.compiler import accumulate, host_inputs, layers, pack, place
 from multimesh.compiler import fragment as frag_pass
@@ -353,6 +354,8 @@ class Compiled(_ArgsInfo):
         )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _compat.tracing():
+            raise traced_error()
         flat, tree = jax.tree_util.tree_flatten((args, kwargs))
         if tree != self.in_tree:
             raise TypeError(

@@ -942,13 +942,22 @@ def _barrier_error(groups, gid: int, labels, prog, sched: Any) -> str:
     g = groups[gid]
     name = sched[0].name if sched else None
     ops = sorted({prog.eqns[i].primitive.name for i in g.eqns})[:6]
+    if name == "gpipe":  # GPipe runs every forward first: the loop's work is not F then B
+        return (
+            f"the microbatch loop's work needs a value computed on stage {g.stage} from the "
+            f"loop's whole output (operations {ops}) in a way no schedule can order: "
+            "typically jax.grad taken outside an mm.microbatch of a gradient (second-order "
+            "differentiation through the loop). Differentiate inside the loop (e.g. "
+            "mm.microbatch(jax.grad(lambda w, x: f(jax.grad(loss)(w, x))), M)), or take "
+            "the outer derivative without mm.microbatch."
+        )
     return (
         f"the microbatch loop's backward needs a value computed on stage {g.stage} from "
         f"the loop's whole output (operations {ops}): typically jax.grad taken outside "
         "mm.microbatch of a non-linear function of its result (e.g. loss ** 2, log, "
         "sqrt). Every microbatch's forward must then finish before any backward starts"
         + (f", which schedule {name!r} does not do" if name else "")
-        + (". Use schedule='gpipe', or" if name != "gpipe" else ". Instead,")
+        + ". Use schedule='gpipe', or"
         + " microbatch the gradient itself (mm.microbatch(jax.value_and_grad(loss), M)) "
         "and apply the non-linear function to the accumulated result with the chain rule "
         "outside."

@@ -197,8 +197,8 @@ def rewrite_jaxpr(jaxpr: Any, ctx: Ctx) -> Any:
     sub: dict[Any, Any] = {}
 
     def nv(v: Any) -> Any:
-        if isinstance(v, jcore.Literal):
-            return v
+        if isinstance(v, jcore.Literal):  # a constant a body returns has a type too
+            return _rewrite_literal(v, ctx)
         if v in sub:
             return sub[v]
         aval = _rewrite_aval(v.aval, ctx)
