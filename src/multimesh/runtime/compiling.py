@@ -347,12 +347,19 @@ def device_free_key(mesh: jax.sharding.Mesh, parts: Any) -> Hashable | None:
     Two fragments with equal keys on submeshes of one shape differ only in which
     devices run them: one compiled executable serves both (``relocate``)."""
     pos = {d.id: k for k, d in enumerate(mesh.devices.flat)}
+    memo: dict[int, Any] = {}  # by id: a fragment's values share a few shardings
 
     def norm(x: Any) -> Any:
         if x is None or isinstance(x, (str, int, float, bool)):
             return x
         if isinstance(x, (tuple, list)):
             return tuple(norm(v) for v in x)
+        got = memo.get(id(x))
+        if got is None:
+            got = memo[id(x)] = norm_one(x)
+        return got
+
+    def norm_one(x: Any) -> Any:
         if isinstance(x, jax.sharding.NamedSharding):
             return ("named", norm(x.mesh), x.spec, x.memory_kind)
         if isinstance(x, jax.sharding.SingleDeviceSharding):
@@ -367,7 +374,7 @@ def device_free_key(mesh: jax.sharding.Mesh, parts: Any) -> Hashable | None:
                 raise _Foreign
             return ("device", pos[x.id])
         if isinstance(x, jax.ShapeDtypeStruct):
-            return ("aval", x.shape, str(x.dtype), x.weak_type, norm(x.sharding))
+            return ("aval", x.shape, x.dtype, x.weak_type, norm(x.sharding))
         raise _Foreign
 
     try:
