@@ -183,3 +183,53 @@ def test_optimizer_under_a_cond_stays_on_its_stages(mesh4x2, wrapper, clip):
         assert_close(ml, rl, rtol=1e-5)
         assert_close((mp, ms), (rp, rs), rtol=1e-5, atol=1e-6)
     assert [stage_of(p["w"], mesh4x2) for p in mp] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("microbatches", [None, 2])
+def test_size_one_bias_and_l2_penalty_stay_on_their_stage(mesh4x2, microbatches):
+    """A (1,) bias under clip_by_global_norm: its gradient times the norm's scale tied in
+    bytes with the scale's stage (stage 0), so the bias and its moments moved there
+    (scalars now move before arrays on a tie). An L2 penalty over all parameters inside
+    a microbatched loss floated to the loss's stage, so every stage's parameters were
+    sent there each step (loop-invariant work now runs next to its data, before the
+    loop: `label.hoist_invariants`)."""
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+
+    def loss(p, x):
+        with mm.task("a", stage=0):
+            h = jnp.tanh(x @ p["w0"])
+        with mm.task("b", stage=1):
+            y = h @ p["w1"] + p["b1"]
+        l2 = 1e-2 * sum(jnp.sum(w**2) for w in jax.tree.leaves(p))
+        return jnp.mean(y**2) + l2
+
+    def step(state, x):
+        p, o = state
+        vg = jax.value_and_grad(loss)
+        if microbatches:
+            vg = mm.microbatch(vg, microbatches, argnums=1, reduce="mean")
+        v, g = vg(p, x)
+        u, o = tx.update(g, o, p)
+        return (optax.apply_updates(p, u), o), v
+
+    p = {
+        "w0": jax.random.normal(jax.random.key(0), (8, 8)) / 3,
+        "w1": jax.random.normal(jax.random.key(1), (8, 1)) / 3,
+        "b1": jnp.full((1,), 0.1),
+    }
+    x = jax.random.normal(jax.random.key(2), (4, 8))
+    f = mm.jit(step, mesh=mesh4x2)
+    ms = rs = (p, tx.init(p))
+    for i in range(3):
+        if i >= 1:
+            plan = f.lower(ms, x).plan
+            moved = [t for t in plan.transfers if t.src_stage != t.dst_stage]
+            assert all(t.shape not in ((8, 8), (8, 1), (1,)) for t in moved), plan.as_text()
+            assert sum(t.nbytes for t in moved) <= 600, plan.as_text()
+        ms, ml = f(ms, x)
+        with mesh4x2:
+            rs, rl = jax.jit(step)(rs, x)
+        assert_close(ml, rl, rtol=1e-5)
+        assert_close(ms, rs, rtol=1e-5, atol=1e-6)
+    assert stage_of(ms[0]["b1"], mesh4x2) == 1 and stage_of(ms[0]["w0"], mesh4x2) == 0
+    assert stage_of(ms[1][1][0].mu["b1"], mesh4x2) == 1

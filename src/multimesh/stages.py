@@ -30,6 +30,7 @@ from multimesh.arguments import (
 )
 from multimesh.compiler import accumulate, host_inputs, layers, pack, place
 from multimesh.compiler import fragment as frag_pass
+from multimesh.compiler import label as label_pass
 from multimesh.compiler import plan as plan_pass
 from multimesh.compiler.ir import ANY, FlatProgram, Labels
 from multimesh.runtime import compiling
@@ -192,6 +193,7 @@ class Lowered(_ArgsInfo):
             else 0
         )
         locs = [i.loc for i in self.input_infos]
+        labels = label_pass.hoist_invariants(prog, labels, follow)
         placement = place.place(prog, labels, locs, default, follow=follow)
         if traced.loops:
             # a gradient with shares made on several stages is summed over microbatches

@@ -7,13 +7,14 @@ target, others get new targets after them. Meshes that partly overlap are an err
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jax.sharding import Mesh
 
 from multimesh import _compat
 from multimesh.compiler.inline import _sub_jaxprs, eqn_tasks, inner_tasks
-from multimesh.compiler.ir import FlatProgram, Labels, Literal, Target
+from multimesh.compiler.ir import FlatProgram, Labels, Literal, Target, aval_nbytes
 from multimesh.mesh import MultiMesh
 from multimesh.tasks import TaskRef, check_stage_range
 
@@ -225,3 +226,39 @@ def _microbatch(eqn: Any) -> tuple[int, int] | None:
             "their microbatch counts), or run the inner one as a plain loop or lax.scan."
         )
     return found[0] if found else None
+
+
+def hoist_invariants(prog: FlatProgram, labels: Labels, follow: Any = frozenset()) -> Labels:
+    """``labels`` with loop-invariant work taken out of its microbatch loop.
+
+    Untagged, effect-free microbatch work on values made before the loop only, that does
+    not grow its data (an L2 penalty's ``sum(w ** 2)`` and its gradient ``2 * c * w``),
+    gives the same value for every microbatch: as work outside the loop it runs next to
+    its data before the loop, and only its (smaller) result moves; as microbatch work it
+    floated to where it is used, and each stage's parameters were sent there every step.
+    Work that grows its data (a parameter's broadcast) stays in the loop and floats, and
+    so do the batch's cuts (``follow``)."""
+    mbs = labels.microbatch
+    if not mbs or all(m is None for m in mbs):
+        return labels
+    inloop: set[Any] = set()  # values made by microbatch work
+    new = list(mbs)
+    for i, e in enumerate(prog.eqns):
+        if mbs[i] is None:
+            continue
+        ins = [a for a in e.invars if not isinstance(a, Literal)]
+        if (
+            labels.tasks[i] is None
+            and not e.effects
+            and ins
+            and not any(a in inloop for a in ins)
+            and not any(o in follow for o in e.outvars)
+            and sum(aval_nbytes(o.aval) for o in e.outvars)
+            <= max(aval_nbytes(a.aval) for a in ins)
+        ):
+            new[i] = None
+        else:
+            inloop.update(e.outvars)
+    if new == mbs:
+        return labels
+    return dataclasses.replace(labels, microbatch=new)

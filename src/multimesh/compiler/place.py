@@ -38,16 +38,18 @@ def _meet(locs: Sequence[Loc]) -> Loc:
 
 
 def _cost(
-    moved: list[tuple[int, bool, bool, frozenset]], c: int
-) -> tuple[int, int, int, int]:
+    moved: list[tuple[int, bool, bool, bool, frozenset]], c: int
+) -> tuple[int, int, int, int, int]:
     """Placing on stage ``c``: (bytes of microbatch-made values moved, all bytes moved,
-    bytes of values that tasks' work led to moved, ``c``) for inputs (bytes, made by the
-    microbatch, led to by tasks' work, where)."""
-    away = [(b, made, led) for b, made, led, where in moved if c not in where]
+    bytes of arrays (not scalars) moved, bytes of values that tasks' work led to moved,
+    ``c``) for inputs (bytes, made by the microbatch, led to by tasks' work, a scalar,
+    where)."""
+    away = [(b, made, led, sc) for b, made, led, sc, where in moved if c not in where]
     return (
-        sum(b for b, made, _l in away if made),
-        sum(b for b, _m, _l in away),
-        sum(b for b, _m, led in away if led),
+        sum(b for b, made, _l, _s in away if made),
+        sum(b for b, _m, _l, _s in away),
+        sum(b for b, _m, _l, sc in away if not sc),
+        sum(b for b, _m, led, _s in away if led),
         c,
     )
 
@@ -242,8 +244,17 @@ def place(
                 # (a value a task uses on stage c goes to c anyway: free there; a
                 # residual add after stage 1's task, of its input from stage 0 and its
                 # output, stays on stage 1 instead of sending both back to stage 0)
+                # ... and on a tie, scalars move rather than arrays: a size-1 bias's
+                # gradient times the global norm's scale stays with the gradient (a
+                # scalar is usually read on every stage: a step count, a norm)
                 moved = [
-                    (aval_nbytes(a.aval), in_mb and a in made, a in led, where | used_on[a])
+                    (
+                        aval_nbytes(a.aval),
+                        in_mb and a in made,
+                        a in led,
+                        not getattr(a.aval, "shape", ()),
+                        where | used_on[a],
+                    )
                     for a, where in zip(ins, locs)
                     if where is not ANY
                 ]
