@@ -8,7 +8,9 @@ import numpy as np
 import optax
 import pytest
 from conftest import assert_close
+from jax.experimental import io_callback
 
+import multimesh as mm
 from multimesh import _compat
 from multimesh.compiler import conds, inline
 
@@ -120,3 +122,29 @@ def test_optax_clip_cond_values():
         flat = jax.tree.leaves((grads, state, params))
         want = jax.tree.leaves(step(grads, state, params))
         assert_close(_eval(prog, *flat), want, rtol=1e-6)
+
+
+def test_merge_keeps_ordered_effects_in_order(mesh4x2):
+    """The forward and backward conds of a linear cond share a predicate; joining them
+    reordered the fragment, and an ordered callback reading the cond's output ran after
+    one that comes later in the program (effects now keep their order)."""
+    log = []
+
+    def cb(tag):
+        def f(v):
+            log.append(tag)
+            return np.asarray(v)
+
+        return f
+
+    def loss(x, p):
+        a = jax.lax.cond(p > 0, lambda x: 2 * x, lambda x: -x, x)
+        sds = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        n = io_callback(cb("N"), sds, jax.lax.stop_gradient(a), ordered=True)
+        e = io_callback(cb("E"), sds, jax.lax.stop_gradient(x), ordered=True)
+        return jnp.sum(a * e) + jnp.sum(n)
+
+    x, p = jnp.arange(4.0), jnp.array(1.0)
+    g = jax.block_until_ready(mm.jit(jax.grad(loss), mesh=mesh4x2)(x, p))
+    assert log == ["N", "E"]
+    assert_close(g, 2 * x)

@@ -33,12 +33,47 @@ def split_conds(prog: FlatProgram) -> FlatProgram:
     eqns: list[Any] = []
     changed = False
     for e in prog.eqns:
-        parts = _split(e) if _splittable(e) else None
-        for part in parts or [e]:
-            phased = _phase_split(part) if _splittable(part) else None
-            eqns.extend(phased or [part])
-            changed = changed or parts is not None or phased is not None
+        parts = _split_eqn(e)
+        eqns.extend(parts or [e])
+        changed = changed or parts is not None
     return dataclasses.replace(prog, eqns=eqns) if changed else prog
+
+
+def _split_eqn(e: Any) -> list[Any] | None:
+    """The equations replacing ``e`` (``None``: kept). Conds inside its branches are
+    split first (``MultiSteps(apply_if_finite(...))`` nests one wrapper's cond in the
+    other's), so that the outer cond's groups can be told apart."""
+    if not _splittable(e):
+        return None
+    inner = _split_inner(e)
+    base = inner or e
+    parts = _split(base)
+    out: list[Any] = []
+    for part in parts or [base]:
+        phased = _phase_split(part) if _splittable(part) else None
+        out.extend(phased or [part])
+    return out if inner is not None or parts is not None or len(out) > 1 else None
+
+
+def _split_inner(e: Any) -> Any | None:
+    """``e`` with the conds in its branches split (``None``: none were)."""
+    branches = []
+    changed = False
+    for b in e.params["branches"]:
+        j = b.jaxpr
+        if not any(q.primitive.name in ("cond", "jit", "pjit") for q in j.eqns):
+            branches.append(b)
+            continue
+        j = _inline_calls(j)
+        eqns: list[Any] = []
+        for q in j.eqns:
+            parts = _split_eqn(q)
+            eqns.extend(parts or [q])
+            changed = changed or parts is not None
+        branches.append(b.replace(jaxpr=j.replace(eqns=eqns)))
+    if not changed:
+        return None
+    return e.replace(params={**e.params, "branches": tuple(branches)})
 
 
 def _splittable(e: Any) -> bool:
@@ -315,8 +350,13 @@ def merge_conds(eqns: list[Any]) -> list[Any]:
     members: dict[int, list[int]] = {}
     open_groups: dict[Any, list[int]] = {}
     made: dict[Any, int] = {}
+    effect = None  # the last equation with effects: they keep their order
     for i, q in enumerate(eqns):
         d = {node[made[a]] for a in q.invars if not isinstance(a, _compat.Literal) and a in made}
+        if q.effects:
+            if effect is not None:
+                d.add(node[effect])
+            effect = i
         if _joinable(q):
             key = (q.invars[0], len(q.params["branches"]), q.ctx)
             for g in open_groups.setdefault(key, []):
