@@ -278,6 +278,26 @@ def main() -> None:
         if jax.process_index() == 1:
             raise RuntimeError("rank 1 fails on purpose")
         f(np.ones(16, np.float32))  # a new plan: waits for rank 1's, which never comes
+    if which == "exit-mid":  # rank 1 leaves a training loop; rank 0 still sends to it
+        mmesh = mm.make_mesh((2, 4), ("stage", "data"))
+
+        def loss(ws, x):
+            with mm.task("a", stage=0):
+                h = jnp.tanh(x @ ws[0])
+            with mm.task("b", stage=1):
+                return jnp.mean((h @ ws[1]) ** 2)
+
+        def step(ws, x):
+            g = jax.grad(loss)(ws, x)
+            return [w - 0.1 * d for w, d in zip(ws, g)]
+
+        f = mm.jit(step, mesh=mmesh)
+        ws = [np.eye(8, dtype=np.float32)] * 2
+        for i in range(6):
+            if i == 2 and jax.process_index() == 1:
+                sys.exit(3)
+            ws = f(ws, np.ones((8, 8), np.float32))
+            print("step", i, flush=True)
     if which == "layout":  # a submesh split over processes that hold another one too
         mmesh = mm.make_mesh((3, 2), ("stage", "data"))
         mm.jit(lambda x: mm.task(lambda v: v * 2, name="t", stage=1)(x), mesh=mmesh)(

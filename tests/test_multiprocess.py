@@ -167,6 +167,21 @@ def test_rank_dying_of_an_exception_stops_the_job_quickly(tmp_path):
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
     assert "rank 1 fails on purpose" in proc.stdout + proc.stderr
+    # the rank that raised is named (not rank 0, failing after it from the lost peer)
+    assert "multimesh.launch: rank 1 " in proc.stderr, output_tail(proc)
+    assert elapsed < 90, f"the job took {elapsed:.0f} s to stop"
+
+
+def test_rank_leaving_a_training_loop_stops_the_job(tmp_path):
+    """Rank 1 calls sys.exit in the middle of a training loop (same program: no plan to
+    compare) while rank 0's next step waits for its data: rank 0's wait is watched, it
+    names process 1 and stops within seconds (it waited forever)."""
+    t0 = time.monotonic()
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "exit-mid", timeout=240)
+    elapsed = time.monotonic() - t0
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "process 1 exited" in text, output_tail(proc)
     assert elapsed < 90, f"the job took {elapsed:.0f} s to stop"
 
 
@@ -227,10 +242,12 @@ def test_killed_rank_stops_all_within_30s(tmp_path):
         assert len(pids) == 2 and seen_loss, "workers did not start training"
         os.kill(pids[1], signal.SIGKILL)
         t0 = time.monotonic()
-        proc.communicate(timeout=60)
+        _out, err = proc.communicate(timeout=60)
         elapsed = time.monotonic() - t0
         assert proc.returncode != 0
         assert elapsed < 30, elapsed
+        # the killed rank is named, not its peer failing after it
+        assert "rank 1 killed by signal 9" in err, err[-3000:]
         time.sleep(0.5)
         assert _alive(token) == [], "processes left behind"
     finally:

@@ -107,6 +107,8 @@ def test_every_layout_and_schedule(layout, schedule, tmp_path):
         (["--seed", str(2**63)], "argument --seed: must be below 2**63"),
         (["--tolerance", "-1"], "argument --tolerance: must be a finite number >= 0"),
         (["--tolerance", "nan"], "argument --tolerance: must be a finite number >= 0"),
+        (["--learning-rate", "nan"], "argument --learning-rate: must be a finite number >= 0"),
+        (["--checkpoint-dir", "/proc/no/such"], "--checkpoint-dir /proc/no/such: cannot create"),
         (["--max-to-keep", "2"], "--max-to-keep needs --checkpoint-dir"),
         (["--metrics", "/nonexistent-dir/m.json"], "the directory /nonexistent-dir does not"),
     ],
@@ -364,3 +366,19 @@ def test_gpu_backend_without_gpus_is_a_usage_error():
     )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "--backend gpu: JAX found no GPU devices" in r.stderr.strip().splitlines()[-1]
+
+
+def test_metrics_are_strict_json(tmp_path):
+    """A NaN loss is written as null (bare NaN is not JSON; strict parsers reject it)."""
+    import argparse
+
+    from multimesh.run import gpt
+
+    ns = argparse.Namespace(metrics=str(tmp_path / "m.json"), lr=1e-3)
+    gpt.write_metrics(ns, 0, [1.5, float("nan"), float("inf")], [0.1, 0.2, 0.3])
+
+    def refuse(name):
+        raise ValueError(name)
+
+    got = json.loads((tmp_path / "m.json").read_text(), parse_constant=refuse)
+    assert got["losses"] == [1.5, None, None] and got["first_step"] == 0

@@ -114,12 +114,26 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return ns
 
 
-def _pump(stream, rank: int, out) -> None:
+def _pump(stream, rank: int, out, tracebacks: dict[int, float] | None = None) -> None:
     prefix = f"[rank {rank}] "
     for line in iter(stream.readline, ""):
+        if tracebacks is not None and line.startswith("Traceback (most recent call last)"):
+            tracebacks.setdefault(rank, time.monotonic())
         out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
         out.flush()
     stream.close()
+
+
+def _culprit(bad: list[tuple[int, int]], tracebacks: dict[int, float]) -> tuple[int, int]:
+    """The failed rank to name: one killed by a signal (its peers fail after it, from
+    the broken connection), else the first to print a traceback, else the lowest."""
+    killed = [b for b in bad if b[1] < 0]
+    if killed:
+        return killed[0]
+    raised = sorted((tracebacks[r], r, c) for r, c in bad if r in tracebacks)
+    if raised:
+        return raised[0][1], raised[0][2]
+    return bad[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,6 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ns.args
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    tracebacks: dict[int, float] = {}  # rank -> when it first printed a traceback
     for rank in range(ns.nproc):
         env = dict(os.environ)
         env[ENV_COORDINATOR] = coord
@@ -153,7 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         procs.append(proc)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, rank, out), daemon=True)
+            t = threading.Thread(
+                target=_pump, args=(stream, rank, out, tracebacks), daemon=True
+            )
             t.start()
             pumps.append(t)
 
@@ -176,7 +193,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             codes = [p.poll() for p in procs]
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad and failed is None:
-                failed = bad[0]
+                # its peers may fail a moment later, from the broken connection: let the
+                # first traceback or signal death come in before naming one
+                time.sleep(0.5)
+                codes = [p.poll() for p in procs]
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                failed = _culprit(bad, tracebacks)
                 break
             if all(c is not None for c in codes):
                 break

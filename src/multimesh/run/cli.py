@@ -47,7 +47,7 @@ def _seed(text: str) -> int:
     return value
 
 
-def _tolerance(text: str) -> float:
+def _finite_nonnegative(text: str) -> float:
     """An argparse type: a finite, non-negative float."""
     try:
         value = float(text)
@@ -142,7 +142,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=_positive, default=16, help="global batch (sequences)")
     t.add_argument("--sequence-length", type=_positive, default=32, help="tokens per sequence")
     t.add_argument("--num-steps", type=_positive, default=10, help="training steps")
-    t.add_argument("--learning-rate", type=float, default=3e-3, help="AdamW learning rate")
+    t.add_argument(
+        "--learning-rate", type=_finite_nonnegative, default=3e-3, help="AdamW learning rate"
+    )
     t.add_argument("--seed", type=_seed, default=0, help="random seed (init and data)")
     c = p.add_argument_group("checkpoints (Orbax, asynchronous; see mm.checkpoint)")
     c.add_argument(
@@ -187,7 +189,7 @@ def parser() -> argparse.ArgumentParser:
         help="also run the same steps under plain jax.jit SPMD; exit non-zero if the largest "
         "loss difference exceeds --tolerance",
     )
-    o.add_argument("--tolerance", type=_tolerance, default=1e-5, help="for --compare-spmd")
+    o.add_argument("--tolerance", type=_finite_nonnegative, default=1e-5, help="for --compare-spmd")
     o.add_argument(
         "--metrics",
         default=None,
@@ -271,6 +273,11 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
                 p.error(f"{flag} needs --checkpoint-dir")
     elif os.path.exists(ns.checkpoint_dir) and not os.path.isdir(ns.checkpoint_dir):
         p.error(f"--checkpoint-dir {ns.checkpoint_dir} is a file, not a directory")
+    elif not os.path.isdir(ns.checkpoint_dir):
+        try:  # made now: a path that cannot be a directory fails here, not after step 1
+            os.makedirs(ns.checkpoint_dir, exist_ok=True)
+        except OSError as e:
+            p.error(f"--checkpoint-dir {ns.checkpoint_dir}: cannot create it ({e.strerror})")
     if ns.metrics is not None and os.path.isdir(ns.metrics):
         p.error(f"--metrics {ns.metrics} is a directory; give a file name")
     if ns.dump is not None and os.path.exists(ns.dump) and not os.path.isdir(ns.dump):

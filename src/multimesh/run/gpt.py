@@ -187,12 +187,21 @@ def write_metrics(ns: argparse.Namespace, start: int, losses: list, times: list)
     """``--metrics``: the losses, step times and settings as JSON."""
     import json
 
+    def finite(x: Any) -> Any:  # strict JSON has no NaN / Infinity: null instead
+        return x if not isinstance(x, float) or math.isfinite(x) else None
+
     with open(ns.metrics, "w") as fh:
         json.dump(
-            {"first_step": start, "losses": losses, "step_times_s": times, "settings": vars(ns)},
+            {
+                "first_step": start,
+                "losses": [finite(v) for v in losses],
+                "step_times_s": times,
+                "settings": vars(ns),
+            },
             fh,
             indent=1,
             default=str,
+            allow_nan=False,
         )
 
 

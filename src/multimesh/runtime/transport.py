@@ -17,10 +17,14 @@ the same ids without talking. Select with ``MULTIMESH_TRANSPORT=server|ppermute`
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import hashlib
 import os
+import sys
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -90,13 +94,14 @@ class ServerTransport(Transport):
             conn = self._conns[peer] = self._server.connect(addr)
         return conn
 
-    def offer(self, uid: int, arrays: list[jax.Array]) -> None:
+    def offer(self, uid: int, arrays: list[jax.Array], peer: int) -> None:
         # Offer only computed buffers: a pull of a buffer still being computed holds one
         # of the transfer server's threads until it is ready, and when those threads all
         # wait on computations that need another pull to arrive, every process stalls
         # (seen at 8 processes x 1 device on 2 cores, 1F1B and zero-bubble: ~40% of runs;
         # 0 of 6 with this wait). The cost: this process's host waits for its own sends.
-        jax.block_until_ready(arrays)
+        with _WATCH.waiting_for(peer):
+            jax.block_until_ready(arrays)
         self._server.await_pull(uid, arrays)
 
     def pull(self, uid: int, peer: int, specs: list[jax.ShapeDtypeStruct]) -> list[jax.Array]:
@@ -113,7 +118,7 @@ class ServerTransport(Transport):
             elif p.dst_proc == me and p.src_proc != me:
                 recvs.setdefault(p.src_proc, []).append(i)
         for peer, idx in sorted(sends.items()):
-            self.offer(transfer_id(uid, me, peer), [outgoing[i] for i in idx])
+            self.offer(transfer_id(uid, me, peer), [outgoing[i] for i in idx], peer)
         got: dict[int, jax.Array] = {}
         for peer, idx in sorted(recvs.items()):
             specs = [
@@ -169,6 +174,87 @@ class PpermuteTransport(Transport):
             if p.dst_proc == me:
                 got[i] = res.addressable_shards[0].data.reshape(p.shape)
         return got
+
+
+class _Watch:
+    """Waits for a peer, watched by a daemon thread. An offer to a peer first waits for
+    this process's own work (``offer``), and that work may need data from the peer: if
+    the peer exited (``sys.exit``, an error in its exit path, or it skipped an mm.jit
+    call and reached its end) the wait would last forever inside XLA. The thread ends
+    this process with a message naming the peer instead: 10 s after the peer marked
+    itself exiting, or after ``MULTIMESH_PLAN_TIMEOUT`` (default 1800 s) in one wait.
+    The launcher (or SLURM, mpirun) then stops the others."""
+
+    GRACE_S = 10.0
+    POLL_S = 0.5
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waits: dict[int, tuple[float, int]] = {}  # thread id -> (since, peer)
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def waiting_for(self, peer: int) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._lock:
+            self._waits[me] = (time.monotonic(), peer)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="multimesh-peer-watch", daemon=True
+                )
+                self._thread.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waits.pop(me, None)
+
+    def _run(self) -> None:
+        exiting_since: dict[int, float] = {}
+        while True:
+            time.sleep(self.POLL_S)
+            now = time.monotonic()
+            with self._lock:
+                waits = list(self._waits.values())
+            for since, peer in waits:
+                if peer not in exiting_since and _exiting(peer):
+                    exiting_since[peer] = now
+                if now - max(since, exiting_since.get(peer, now)) > self.GRACE_S:
+                    _die(
+                        f"process {peer} exited (sys.exit, an error, or it skipped an mm.jit "
+                        f"call) while process {jax.process_index()} still has data for it; "
+                        "every process must make the same mm.jit calls."
+                    )
+                timeout = float(os.environ.get("MULTIMESH_PLAN_TIMEOUT", "1800"))
+                if now - since > timeout:
+                    _die(
+                        f"process {jax.process_index()} waited {now - since:.0f} s on work "
+                        f"whose result goes to process {peer} (MULTIMESH_PLAN_TIMEOUT): is a "
+                        "process stuck, or making other mm.jit calls than this one?"
+                    )
+
+
+def _exiting(peer: int) -> bool:
+    from multimesh.distributed._host import exiting_key
+
+    try:
+        kv_client().key_value_try_get(exiting_key(peer))
+        return True
+    except Exception:  # noqa: BLE001 - not set (or the job is going down)
+        return False
+
+
+def _die(msg: str) -> None:
+    sys.stderr.write(f"multimesh: {msg} Stopping this process.\n")
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(1)
+
+
+_WATCH = _Watch()
 
 
 def _single(device: Any) -> Any:
