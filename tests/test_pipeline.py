@@ -676,3 +676,30 @@ def test_interleaved_stage_work_is_never_grouped_with_another_stages():
     with mmesh:
         want = jax.jit(g)((w, b), x, y, key)
     assert_close(mm.jit(g, mesh=mmesh)((w, b), x, y, key), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
+def test_untagged_join_after_a_later_stages_task(schedule):
+    """Stage 1's first task reads the batch directly, and stage 0's output joins it in an
+    untagged add after it: both inputs are one hop from the loop's start, and the add went
+    to the lowest stage, sending the microbatch back to stage 0 (refused as a cycle). It
+    now runs on the stage further down the pipeline."""
+    mmesh = stage_mesh(2)
+    rng = np.random.RandomState(0)
+    p = {k: jnp.asarray(rng.randn(4, 4).astype(np.float32) / 2) for k in ("w0", "w1", "w2")}
+    x, y = data(8)
+    x, y = x[:, :4], y[:, :4]
+
+    def loss(p, x, y):
+        with mm.task("a", stage=0):
+            h0 = jnp.tanh(x @ p["w0"])
+        with mm.task("b", stage=1):
+            z = jnp.tanh(x @ p["w1"])
+        h = z + h0
+        with mm.task("c", stage=1):
+            h = h @ p["w2"]
+        return jnp.mean((h - y) ** 2)
+
+    g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=(1, 2), schedule=schedule)
+    got = mm.jit(g, mesh=mmesh)(p, x, y)
+    assert_close(got, reference(g, mmesh, p, x, y), rtol=1e-5, atol=1e-6)

@@ -180,6 +180,21 @@ def place(
     regions = not any(
         v is not None and v != st for v, st in zip(labels.virtual or (), labels.stages)
     )
+    # where each submesh first appears in the loops' forward task order: on a tie in
+    # submesh hops, forward microbatch work runs on the stage further down the pipeline
+    # (a skip add joining stage 0's output with stage 1's after stage 1's first task
+    # stays on stage 1; on stage 0 the microbatch's forward would go back to stage 0)
+    flow_rank: dict[int, int] = {}
+    if regions and mbs:
+        for i, e in enumerate(prog.eqns):
+            st = labels.stages[i]
+            if (
+                st is not None
+                and mbs[i] is not None
+                and st not in flow_rank
+                and not _compat.is_transposed(e.source_info.name_stack)
+            ):
+                flow_rank[st] = len(flow_rank)
     consumers: dict[Any, list[int]] = {}
     producer: dict[Any, int] = {}
     for i, e in enumerate(prog.eqns):
@@ -274,7 +289,14 @@ def place(
                     )
                     for c in cands
                 }
-                s = min(cands, key=lambda c: (-down[c] if in_mb else 0, *_cost(moved, c)))
+                s = min(
+                    cands,
+                    key=lambda c: (
+                        -down[c] if in_mb else 0,
+                        -flow_rank.get(c, -1) if in_mb and not back else 0,
+                        *_cost(moved, c),
+                    ),
+                )
         if i in prefer:
             s = prefer[i]  # in a region placed as one
         elif choice and in_mb and back and regions and not in_accumulation(e):
