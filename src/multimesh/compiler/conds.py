@@ -371,21 +371,21 @@ def merge_conds(eqns: list[Any]) -> list[Any]:
             made[o] = i
     # a valid order of the nodes: each after what it reads, at its last member's place
     last = {n: max(members.get(n, [n])) for n in deps}
-    order: list[int] = []
-    state: dict[int, int] = {}
-    for n in sorted(deps, key=last.__getitem__):
-        stack = [(n, iter(sorted(deps[n], key=last.__getitem__)))]
-        if state.get(n):
+    order: list[int] = []  # depth first, what a node reads before it
+    seen: set[int] = set()
+    for root in sorted(deps, key=last.__getitem__):
+        if root in seen:
             continue
-        state[n] = 1
+        seen.add(root)
+        stack = [(root, iter(sorted(deps[root], key=last.__getitem__)))]
         while stack:
-            m, it = stack[-1]
-            nxt = next((x for x in it if not state.get(x)), None)
+            n, reads = stack[-1]
+            nxt = next((x for x in reads if x not in seen), None)
             if nxt is None:
                 stack.pop()
-                order.append(m)
+                order.append(n)
             else:
-                state[nxt] = 1
+                seen.add(nxt)
                 stack.append((nxt, iter(sorted(deps[nxt], key=last.__getitem__))))
     out = []
     for n in order:
