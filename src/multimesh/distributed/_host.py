@@ -130,10 +130,21 @@ def exiting_key(process: int) -> str:
     return f"multimesh/exiting/{process}"
 
 
-def mark_exiting() -> None:
+def mark_exiting(own_work_s: float = 30.0) -> None:
+    """Tell the other processes that this one is exiting, once its own pending work is
+    done (at most ``own_work_s``): a script may end with pulls from a peer still in
+    flight, and the peer may be waiting on a long computation whose result is for this
+    process; marked too early, that peer would take it for a process that left."""
     if _SERVICE.get("exiting"):
         return
     _SERVICE["exiting"] = True
+    deadline = time.monotonic() + own_work_s
+    try:
+        for a in jax.live_arrays():
+            while not a.is_ready() and time.monotonic() < deadline:
+                time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - exiting anyway
+        pass
     try:
         _kv().key_value_set(exiting_key(jax.process_index()), "1")
     except Exception:  # noqa: BLE001 - the job is already going down

@@ -182,7 +182,9 @@ class _Watch:
     the peer exited (``sys.exit``, an error in its exit path, or it skipped an mm.jit
     call and reached its end) the wait would last forever inside XLA. The thread ends
     this process with a message naming the peer instead: 10 s after the peer marked
-    itself exiting, or after ``MULTIMESH_PLAN_TIMEOUT`` (default 1800 s) in one wait.
+    itself exiting (which it does once its own pending work is done, or after 30 s:
+    ``_host.mark_exiting``), or after ``MULTIMESH_PLAN_TIMEOUT`` (default 1800 s) in one
+    wait.
     The launcher (or SLURM, mpirun) then stops the others."""
 
     GRACE_S = 10.0
