@@ -31,6 +31,7 @@ from multimesh.arguments import (
     Signature,
     broadcast_prefix,
     check_no_stage_axis,
+    check_spec_rank,
     check_spec_value,
     deleted_error,
     in_sharding_leaves,
@@ -239,14 +240,9 @@ class MpmdFunction:
         )
         paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]]
         for path, s, aval in zip(paths, leaves, traced.out_avals):
-            spec = s if isinstance(s, PartitionSpec) else getattr(s, "spec", None)
-            ndim = len(getattr(aval, "shape", ()))
-            if isinstance(spec, PartitionSpec) and len(spec) > ndim:
-                raise ValueError(
-                    f"mm.jit(out_shardings=...) of {self._fun_name!r}: {s} for output "
-                    f"{jax.tree_util.keystr(path) or '<root>'} has {len(spec)} entries, but "
-                    f"that output has rank {ndim} (shape {tuple(aval.shape)})."
-                )
+            where = jax.tree_util.keystr(path) or "<root>"
+            what = f"mm.jit(out_shardings=...) of {self._fun_name!r}: {s} for output {where}"
+            check_spec_rank(s, getattr(aval, "shape", ()), what, "output")
         return leaves
 
     def _put_shardings(self, labels: Labels, call: Call, flat: list[Any]) -> list[Any]:
@@ -259,13 +255,8 @@ class MpmdFunction:
         stage_axis = mmesh.stage_axis if mmesh is not None else None
         for name, s, x in zip(names, leaves, flat):
             check_no_stage_axis(s, stage_axis, f"in_shardings for argument {name}")
-            spec = s if isinstance(s, PartitionSpec) else getattr(s, "spec", None)
-            ndim = len(getattr(x, "shape", ()))
-            if isinstance(spec, PartitionSpec) and len(spec) > ndim:
-                raise ValueError(
-                    f"in_shardings for argument {name}: {s} has {len(spec)} entries, but that "
-                    f"argument has rank {ndim} (shape {tuple(getattr(x, 'shape', ()))})."
-                )
+            what = f"in_shardings for argument {name}: {s}"
+            check_spec_rank(s, getattr(x, "shape", ()), what, "argument")
 
         global_ids = (
             frozenset(int(d.id) for d in mmesh.mesh.devices.flat) if mmesh is not None else None

@@ -466,6 +466,17 @@ def in_sharding_leaves(in_shardings: Any, call: Call, names: Sequence[str]) -> l
     return out
 
 
+def check_spec_rank(s: Any, shape: Sequence[int], what: str, noun: str) -> None:
+    """A user-given sharding's spec may not have more entries than its value's rank;
+    ``what`` names the sharding and the value (``noun``: "output", "argument")."""
+    spec = s if isinstance(s, PartitionSpec) else getattr(s, "spec", None)
+    if isinstance(spec, PartitionSpec) and len(spec) > len(shape):
+        raise ValueError(
+            f"{what} has {len(spec)} entries, but that {noun} has rank {len(shape)} "
+            f"(shape {tuple(shape)})."
+        )
+
+
 def check_no_stage_axis(s: Any, stage_axis: str | None, what: str) -> None:
     """A user-given sharding may not split a value across stages."""
     if stage_axis is None or s is None:

@@ -167,14 +167,20 @@ def fail_fast() -> None:
         try:
             hook(*exc)
         finally:
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:  # noqa: BLE001 - exiting anyway
-                    pass
-            os._exit(1)
+            exit_now()
 
     sys.excepthook = excepthook
+
+
+def exit_now(code: int = 1) -> None:
+    """Flush the output and end this process at once, skipping exit handlers that would
+    wait for other processes (which wait on this one)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
+    os._exit(code)
 
 
 class _PooledServer(socketserver.TCPServer):

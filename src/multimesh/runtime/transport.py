@@ -247,13 +247,10 @@ def _exiting(peer: int) -> bool:
 
 
 def _die(msg: str) -> None:
+    from multimesh.distributed._host import exit_now
+
     sys.stderr.write(f"multimesh: {msg} Stopping this process.\n")
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
-    os._exit(1)
+    exit_now()
 
 
 _WATCH = _Watch()
