@@ -16,7 +16,10 @@ from typing import Any
 import jax
 import jax.extend  # noqa: F401  (jax 0.10 does not import it eagerly)
 import numpy as np
+from jax._src import api_util as _api_util
+from jax._src import config as _cfg
 from jax._src import core as _core
+from jax._src import dispatch as _dispatch
 from jax._src import mesh as _mesh_lib
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _traceback_util
@@ -45,6 +48,50 @@ def register_exclusion(path: str) -> None:
 
 
 register_exclusion(__file__)
+
+
+def api_boundary(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """Filter MultiMesh's (and JAX's) frames from tracebacks raised through ``fun``."""
+    return _traceback_util.api_boundary(fun)
+
+
+def register_cache(cache: Any, what: str) -> None:
+    """Let ``jax.clear_caches()`` clear ``cache`` (its ``cache_clear()``)."""
+    from jax._src import util as _util
+
+    _util.register_cache(cache, what)
+
+
+# --- jax.config switches jax.jit honours ---------------------------------------------------
+
+InternalFloatingPointError = _api_util.InternalFloatingPointError
+
+
+def jit_disabled() -> bool:
+    """``jax.disable_jit()`` is on: jitted functions run as plain Python."""
+    return bool(_cfg.disable_jit.value)
+
+
+def checks_special() -> bool:
+    """``jax_debug_nans`` or ``jax_debug_infs`` is on."""
+    return bool(_cfg.debug_nans.value or _cfg.debug_infs.value)
+
+
+@contextlib.contextmanager
+def special_checks_off() -> Iterator[None]:
+    """No NaN/Inf checks inside: ``jax.jit`` checks a program's outputs, not the values
+    between its parts (our fragments)."""
+    with jax.debug_nans(False), jax.debug_infs(False):
+        yield
+
+
+def check_special(name: str, arrays: Sequence[Any]) -> None:
+    """Raise ``InternalFloatingPointError`` for a NaN/Inf in ``arrays`` (this process's
+    shards), as ``jax.jit`` checks its outputs under ``jax_debug_nans``."""
+    bufs = [
+        sh.data for a in arrays if isinstance(a, jax.Array) for sh in a.addressable_shards
+    ]
+    _dispatch.check_special(name, bufs)
 
 
 # --- name stacks -------------------------------------------------------------------------

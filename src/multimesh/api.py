@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import re
 import threading
 import types
@@ -47,7 +48,7 @@ from multimesh.compiler.rules import Rules
 from multimesh.mesh import MultiMesh, active_multimesh, reset_active, set_active
 from multimesh.runtime import compiling
 from multimesh.stages import Compiled, Lowered, Traced, TracedCall
-from multimesh.tasks import TraceState, tracing
+from multimesh.tasks import TraceState, trace_state, tracing
 
 _compat.register_exclusion(__file__)
 
@@ -99,6 +100,7 @@ class MpmdFunction:
         self._traces: dict[Hashable, Traced] = {}
         self._exe_cache: dict[Any, Any] = {}  # fragment -> XLA executable
         self._fun_name = getattr(fun, "__name__", type(fun).__name__)
+        _compat.register_cache(self, f"mm.jit({self._fun_name})")  # jax.clear_caches()
 
     @property
     def multimesh(self) -> MultiMesh | None:
@@ -158,6 +160,14 @@ class MpmdFunction:
             self._traces.clear()
             self._exe_cache.clear()
 
+    def cache_clear(self) -> None:
+        """:meth:`clear_cache` (the name ``jax.clear_caches()`` calls)."""
+        self.clear_cache()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MpmdFunction:
+        """Itself, as ``copy.deepcopy`` treats functions (and ``jax.jit`` objects)."""
+        return self
+
     # -- tracing ------------------------------------------------------------------------
 
     def _trace(self, call: Call, flat: list[Any], in_tree: Any, tkey: Hashable) -> Traced:
@@ -191,16 +201,9 @@ class MpmdFunction:
                     es.enter_context(_compat.set_mesh(mmesh.mesh))
                 try:
                     closed = jax.make_jaxpr(flat_fun)(*[trace_arg(x) for x in flat])
-                except OverflowError as e:  # JAX names flat leaves: name the argument
-                    names = self._signature.leaf_names(call)
-                    text = re.sub(
-                        r"leaves\[(\d+)\]",
-                        lambda m: (
-                            names[int(m.group(1))] if int(m.group(1)) < len(names) else m.group(0)
-                        ),
-                        str(e),
-                    )
-                    raise OverflowError(text) from None
+                except Exception as e:  # JAX names our flat function: name the user's
+                    self._rename_in_error(e, call)
+                    raise
         finally:
             reset_active(tok)
         rules = Rules(self._task_rules) if self._task_rules is not None else None
@@ -229,6 +232,25 @@ class MpmdFunction:
         )
         self._traces[tkey] = traced
         return traced
+
+    def _rename_in_error(self, e: Exception, call: Call) -> None:
+        """JAX's tracing errors name the function it traced (our ``flat_fun``) and its
+        flat arguments (``leaves[i]``): name the user's function and arguments instead,
+        as ``jax.jit`` would (the exception keeps its type and traceback)."""
+        if not e.args or not isinstance(e.args[0], str) or str(e) != e.args[0]:
+            return
+        text = e.args[0]
+        if "flat_fun" not in text and "leaves[" not in text:
+            return
+        names = self._signature.leaf_names(call)
+        text = re.sub(
+            r"leaves\[(\d+)\]",
+            lambda m: names[int(m.group(1))] if int(m.group(1)) < len(names) else m.group(0),
+            text,
+        )
+        text = re.sub(r"\bflat_fun at \S+:\d+", _source_info(self.fun), text)
+        text = re.sub(r"\bflat_fun\b", self._fun_name, text)
+        e.args = (text, *e.args[1:])
 
     def _out_sharding_leaves(self, traced: Traced) -> list[Any]:
         n = traced.out_tree.num_leaves
@@ -307,12 +329,14 @@ class MpmdFunction:
         key = (in_tree, call.static, self._mesh_key(), tuple(keys), _compat.trace_context())
         return call, flat, in_tree, keys, key
 
+    @_compat.api_boundary
     def lower(self, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and plan for these arguments (arrays, or ``jax.ShapeDtypeStruct``s with
         or without shardings); ``.compile()`` compiles the fragments."""
         call, flat, in_tree, _keys, key = self._prepare(args, kwargs)
         return self._lower(call, resolved_structs(flat), in_tree, key)
 
+    @_compat.api_boundary
     def trace(self, *args: Any, **kwargs: Any) -> TracedCall:
         """Trace for these arguments (as ``jax.jit(f).trace``): the jaxpr and the output
         shapes, before placement; ``.lower()`` plans it."""
@@ -347,12 +371,38 @@ class MpmdFunction:
                     compiled = self._lower(call, flat, in_tree, key).compile()
         return compiled, flat
 
+    @_compat.api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _compat.tracing():  # inside jax.jit / scan, even with concrete arguments
+            if trace_state() is not None:  # inside another mm.jit: one program
+                return self._inline(args, kwargs)
             raise traced_error()
+        if _compat.jit_disabled():  # as jax.jit: plain Python, tasks transparent
+            return self.run_eagerly(args, kwargs)
         compiled, flat = self._compiled_for(args, kwargs)
         return compiled.call_flat(flat)
 
+    def run_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``fun(*args, **kwargs)`` as plain JAX (the reference), under this function's
+        MultiMesh: what a call does under ``jax.disable_jit()``."""
+        mmesh = self.multimesh
+        with mmesh if mmesh is not None else contextlib.nullcontext():
+            return self.fun(*args, **kwargs)
+
+    def _inline(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Called while another ``mm.jit`` function traces: part of that program (as a
+        ``jax.jit`` function inside another), on that function's MultiMesh."""
+        outer = trace_state().multimesh  # type: ignore[union-attr]
+        if self._mesh is not None and outer is not None and self._mesh != outer:
+            raise ValueError(
+                f"mm.jit function {self._fun_name!r} (mesh={self._mesh}) is called inside "
+                f"an mm.jit function traced on another MultiMesh ({outer}); give both the "
+                "same mesh, or call the inner function's .fun."
+            )
+        self._signature.normalize(args, kwargs)  # the same argument checks as a call
+        return self.fun(*args, **kwargs)
+
+    @_compat.api_boundary
     def record(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         """Like calling, but also returns the measured timeline of this step (see
         :meth:`Compiled.record`). Compiles first if needed; compilation is not part of
@@ -360,6 +410,7 @@ class MpmdFunction:
         compiled, flat = self._compiled_for(args, kwargs)
         return compiled.record_flat(flat)
 
+    @_compat.api_boundary
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
         """The outputs' shapes and dtypes (tasks are transparent: no compilation). Static
         arguments are passed as they are, as by ``jax.jit(...).eval_shape``."""
@@ -377,6 +428,19 @@ class MpmdFunction:
         if obj is None:
             return self
         return types.MethodType(self, obj)
+
+
+def _source_info(fun: Any) -> str:
+    """``name at file:line`` of a function, as JAX's tracing errors name it."""
+    while isinstance(fun, functools.partial):
+        fun = fun.func
+    fun = getattr(fun, "fun", fun)  # an mm.jit function: its Python function
+    try:
+        fun = inspect.unwrap(fun)
+        code = fun.__code__
+        return f"{fun.__name__} at {code.co_filename}:{code.co_firstlineno}"
+    except (AttributeError, ValueError):
+        return getattr(fun, "__name__", type(fun).__name__)
 
 
 def _abstract(key: Hashable) -> Hashable:

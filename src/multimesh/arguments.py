@@ -154,7 +154,7 @@ class Signature:
             hash(static_key)
         except TypeError:
             bad = [v for _, v in statics + skw if not _hashable(v)]
-            raise TypeError(
+            raise ValueError(  # jax.jit's type for this error
                 f"static arguments of mm.jit must be hashable (like jax.jit's); got "
                 f"{type(bad[0]).__name__ if bad else 'an unhashable value'}: {bad[:1]}. "
                 "Pass it as a dynamic argument, or make it hashable (e.g. a tuple)."

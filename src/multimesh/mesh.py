@@ -96,6 +96,11 @@ class MultiMesh:
         cm.__exit__(*exc)
         _ACTIVE.reset(tok)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> MultiMesh:
+        """Itself: a MultiMesh is immutable (as a ``jax.sharding.Mesh`` is), and its
+        context stack is per thread, not part of its value."""
+        return self
+
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, MultiMesh)

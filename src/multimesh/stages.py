@@ -355,6 +355,7 @@ class Compiled(_ArgsInfo):
             and _same_sharding(sh, low, self._ndims[i])
         )
 
+    @_compat.api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _compat.tracing():
             raise traced_error()
@@ -412,16 +413,61 @@ class Compiled(_ArgsInfo):
         return self.call_flat(flat)
 
     def call_flat(self, flat: Sequence[Any]) -> Any:
+        if _compat.checks_special():
+            return self._checked(lambda: self._run(self._exe, flat), flat)
         if not self._donated:
             return jax.tree_util.tree_unflatten(self.out_tree, self._exe(flat))
         return jax.tree_util.tree_unflatten(self.out_tree, self._donating(self._exe, flat))
 
     def record_flat(self, flat: Sequence[Any]) -> tuple[Any, Any]:
         """:meth:`record` on flat arguments."""
+        if _compat.checks_special():
+            return self._checked(lambda: self._record(flat), flat)
+        return self._record(flat)
+
+    def _run(self, run: Any, flat: Sequence[Any]) -> Any:
+        outs = self._donating(run, flat) if self._donated else run(flat)
+        return jax.tree_util.tree_unflatten(self.out_tree, outs)
+
+    def _record(self, flat: Sequence[Any]) -> tuple[Any, Any]:
         outs, tl = (
             self._donating(self._exe.record, flat) if self._donated else self._exe.record(flat)
         )
         return jax.tree_util.tree_unflatten(self.out_tree, outs), tl
+
+    def _checked(self, run: Any, flat: Sequence[Any]) -> Any:
+        """Under ``jax_debug_nans``/``jax_debug_infs``, as ``jax.jit``: the outputs are
+        checked (not the values between fragments), and an invalid one re-runs the
+        function without jit (tasks transparent), whose failing operation raises
+        ``FloatingPointError``."""
+        with _compat.special_checks_off():
+            out = run()
+        name = f"mm.jit({self._fn._fun_name})"
+        try:
+            _compat.check_special(name, jax.tree_util.tree_leaves(out))
+        except _compat.InternalFloatingPointError as e:
+            what = f"invalid value ({e.ty}) encountered in the outputs of {name}"
+            if any(isinstance(x, jax.Array) and x.is_deleted() for x in flat):
+                raise FloatingPointError(
+                    f"{what}. Its donated arguments are gone, so it was not run again "
+                    "without jit to find the operation: call it without donating them to "
+                    "find it."
+                ) from None
+            dargs, dkw = jax.tree_util.tree_unflatten(self.in_tree, list(flat))
+            args, kwargs = self._call.rebuild(dargs, dkw)
+            try:
+                with jax.disable_jit():
+                    self._fn.run_eagerly(args, kwargs)
+            except (FloatingPointError, ZeroDivisionError) as e2:
+                raise e2 from None
+            raise FloatingPointError(
+                f"{what}. Because jax_debug_nans and/or jax_debug_infs is set, the function "
+                "was run again without jit (tasks are transparent there) to find the "
+                "operation, but it produced no invalid value: jit's optimizations (or "
+                "nan/inf constants among its inputs or outputs) can cause this. Running it "
+                "without mm.jit may avoid the invalid value."
+            ) from None
+        return out
 
     def _donating(self, run: Any, flat: Sequence[Any]) -> Any:
         """``run(flat)`` with donated arguments: each passed once, and gone afterwards, as
