@@ -231,6 +231,80 @@ def test_unchecked_shard_map_in_a_task_differentiates():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+def test_unchecked_shard_map_residuals_stay_on_the_submesh():
+    """Differentiated, ``shard_map(check_vma=False)`` hands its residuals (here ``cos``
+    of the matmul) to its transpose split over every mesh axis, the stage axis too:
+    such values hold one stage's blocks inside the task (was refused as naming the
+    stage axis, blaming the user's specs). Also inside a pipelined loop."""
+    mmesh = mm.make_mesh((2, 2, 2), ("stage", "data", "model"))
+    sm = functools.partial(
+        jax.shard_map, in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False
+    )
+
+    def loss(w, x):
+        with mm.task("a", stage=0):
+            h = sm(lambda a, b: jnp.sin(a @ b))(x, w[0])
+        with mm.task("b", stage=1):
+            h = sm(lambda a, b: jnp.tanh(a @ b) * a)(h, w[1])
+            return jnp.sum(h**2)
+
+    w = jax.random.normal(jax.random.key(0), (2, 8, 8)) / 3
+    x = jax.random.normal(jax.random.key(1), (8, 8))
+    fn = jax.value_and_grad(loss)
+    with mmesh:
+        want = jax.jit(fn)(w, x)
+    assert_close(mm.jit(fn, mesh=mmesh)(w, x), want, rtol=1e-6)
+    step = mm.microbatch(fn, 2, argnums=1, schedule="1f1b")
+    with mmesh:
+        want = jax.jit(step)(w, x)
+    assert_close(mm.jit(step, mesh=mmesh)(w, x), want, rtol=1e-6)
+
+
+def test_shard_map_in_a_mesh_task_on_a_submesh_differentiates():
+    """A ``mesh=`` task on exactly a submesh reads the global mesh as a ``stage=`` task
+    does (as the reference ``with mmesh: jax.jit(f)``): its shard_map's transpose,
+    traced outside the task, was a JAX-internal "cannot change the size of the mesh".
+    On a mesh that is not a submesh it is a clear error."""
+    mmesh = mm.make_mesh((2, 2, 2), ("stage", "data", "model"))
+
+    def loss(w, x, where):
+        with mm.task("a", stage=0):
+            h = jnp.tanh(x @ w)
+        with mm.task("b", mesh=where):
+            y = jax.shard_map(
+                lambda a, b: jax.lax.psum(a @ b, "model"),
+                in_specs=(P("data", "model"), P("model", None)),
+                out_specs=P("data"),
+            )(h, w)
+        return jnp.sum(jnp.sin(y) ** 2)
+
+    w = jax.random.normal(jax.random.key(0), (8, 8)) / 3
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    fn = jax.grad(functools.partial(loss, where=mmesh.submesh(1)))
+    with mmesh:
+        want = jax.jit(fn)(w, x)
+    assert_close(mm.jit(fn, mesh=mmesh)(w, x), want, rtol=1e-6)
+    half = Mesh(np.array(jax.devices()[4:6]).reshape(1, 2), ("data", "model"),
+                axis_types=(AxisType.Auto,) * 2)
+    with pytest.raises(ValueError, match="not one of the MultiMesh's submeshes"):
+        mm.jit(jax.grad(functools.partial(loss, where=half)), mesh=mmesh)(w, x)
+
+
+def test_a_task_inside_a_shard_map_body_is_a_clear_error(mesh222):
+    def f(x):
+        def body(a):
+            with mm.task("inner", stage=0):
+                return a * 2
+
+        return jax.shard_map(body, mesh=mesh222.mesh, in_specs=P("data"), out_specs=P("data"))(x)
+
+    with mesh222:
+        want = jax.jit(f)(jnp.ones((4, 2)))  # the reference: the task is a named scope
+    np.testing.assert_array_equal(want, 2.0)
+    with pytest.raises(ValueError, match=r"task 'inner' is inside a shard_map body"):
+        mm.jit(f, mesh=mesh222)(jnp.ones((4, 2)))
+
+
 def test_explicit_axes_arguments_and_mesh_context(mesh222):
     """Arrays typed by an Explicit-axes mesh (jax.make_mesh's default) on a submesh's
     devices, and a call under jax.set_mesh of such a mesh, run as under jax.jit (the

@@ -165,6 +165,11 @@ def _mesh_configs() -> tuple[Any, Any, Any]:
     return _cfg.device_context, _cfg.abstract_mesh_context_manager, None
 
 
+def manual_axes() -> tuple[str, ...]:
+    """The mesh axes in manual mode here (inside a ``shard_map`` body), else ``()``."""
+    return tuple(jax.sharding.get_abstract_mesh().manual_axes)
+
+
 @contextlib.contextmanager
 def use_abstract_mesh(mesh: jax.sharding.AbstractMesh) -> Iterator[None]:
     """Set the abstract mesh while tracing, even if its size differs from the current

@@ -42,7 +42,7 @@ from multimesh.arguments import (
     trace_arg,
     traced_error,
 )
-from multimesh.compiler import conds, inline, label, layers
+from multimesh.compiler import conds, inline, label, layers, shardings
 from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.rules import Rules
 from multimesh.mesh import MultiMesh, active_multimesh, reset_active, set_active
@@ -51,6 +51,14 @@ from multimesh.stages import Compiled, Lowered, Traced, TracedCall
 from multimesh.tasks import TraceState, trace_state, tracing
 
 _compat.register_exclusion(__file__)
+
+_SHARD_MAP_TRANSPOSE = (
+    "mm.jit: a shard_map on a mesh that is not one of the MultiMesh's submeshes (in a "
+    "mesh= task) was differentiated: JAX transposes it outside the task, under the global "
+    "mesh, whose size differs. Use a stage= task (or a mesh= task on exactly "
+    "mmesh.submesh(i)) for that code, or mm.jit without a MultiMesh when every task has "
+    "mesh=."
+)
 
 _ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
@@ -202,6 +210,8 @@ class MpmdFunction:
                 try:
                     closed = jax.make_jaxpr(flat_fun)(*[trace_arg(x) for x in flat])
                 except Exception as e:  # JAX names our flat function: name the user's
+                    if mmesh is not None and "use_abstract_mesh cannot change the size" in str(e):
+                        raise ValueError(_SHARD_MAP_TRANSPOSE) from e
                     self._rename_in_error(e, call)
                     raise
         finally:
@@ -217,6 +227,7 @@ class MpmdFunction:
         limit = mmesh.num_stages * chunks if mmesh is not None else 0
         prog: FlatProgram = inline.flatten(closed, rules, limit)
         if mmesh is not None:
+            prog = shardings.stage_free_residuals(prog, mmesh.stage_axis, mmesh.num_stages)
             prog = conds.split_conds(prog)
             prog = layers.split_scans(prog, rules, mmesh.num_stages, limit)
         labels: Labels = label.label(prog, mmesh, rules, chunks)

@@ -281,6 +281,14 @@ class _Task:
                 "Close the outer task first, or merge the two into one task."
             )
         scope, submesh = resolve(self.name, self.stage, self.mesh)
+        manual = _compat.manual_axes() if trace_state() is not None else ()
+        if manual:
+            raise ValueError(
+                f"task {self.name!r} is inside a shard_map body (manual axes {manual}): "
+                "there the code runs per device, and a task places whole arrays on a "
+                "submesh. Put the shard_map inside the task instead "
+                f"(with mm.task({self.name!r}, ...): jax.shard_map(...)), one per task."
+            )
         es = contextlib.ExitStack()
         es.enter_context(jax.named_scope(scope))
         state = trace_state()
@@ -289,8 +297,12 @@ class _Task:
             # global mesh for stage= tasks, the task's mesh for mesh= tasks); the
             # compiler rewrites them to the fragment's submesh.
             ctx = self.mesh if self.mesh is not None else None
-            if ctx is None and state.multimesh is not None:
-                ctx = state.multimesh.mesh
+            mm_ = state.multimesh
+            if mm_ is not None and (ctx is None or _is_submesh(ctx, mm_)):
+                # (a mesh= task on a submesh reads the global mesh as stage= tasks do, as
+                # the reference `with mmesh: jax.jit(f)` does: JAX transposes a shard_map
+                # in it outside the task, under the global mesh)
+                ctx = mm_.mesh
             es.enter_context(_compat.use_abstract_mesh((ctx or submesh).abstract_mesh))
         if self.logical_axis_rules is not None:
             from flax import linen as nn  # logical names as Flax (Linen and NNX) resolve them
@@ -316,6 +328,11 @@ class _Task:
                 return fn(*args, **kwargs)
 
         return wrapped  # type: ignore[return-value]
+
+
+def _is_submesh(mesh: Mesh, mmesh: MultiMesh) -> bool:
+    """``mesh`` is one of ``mmesh``'s submeshes (same devices, axes and types)."""
+    return any(mesh == mmesh.submesh(i) for i in range(mmesh.num_stages))
 
 
 def _check_rules(name: str | None, rules: Any) -> Any:

@@ -130,6 +130,14 @@ def _check_shard_map(params: dict[str, Any], ctx: Ctx) -> None:
     for k in ("in_specs", "out_specs"):
         for spec in params.get(k, ()) or ():
             if isinstance(spec, PartitionSpec) and ctx.stage_axis in spec_axes(spec):
+                if params.get("check_vma", params.get("check_rep")) is False:
+                    raise ValueError(
+                        f"{ctx.where}: a differentiated shard_map(check_vma=False) passes "
+                        f"values split over every mesh axis, the stage axis "
+                        f"{ctx.stage_axis!r} too ({k[:-6]} spec {spec}), to code other "
+                        "than its transpose; inside a task the code runs on one submesh. "
+                        "Use check_vma=True (JAX's default) for it."
+                    )
                 raise ValueError(
                     f"{ctx.where}: shard_map {k[:-6]} spec {spec} splits over the stage axis "
                     f"{ctx.stage_axis!r}, but inside a task the code runs on one submesh, "
@@ -219,3 +227,81 @@ def rewrite_jaxpr(jaxpr: Any, ctx: Ctx) -> Any:
         eqns.append(e.replace(invars=[nv(a) for a in e.invars], outvars=[nv(o) for o in e.outvars]))
     outvars = [nv(a) for a in jaxpr.outvars]
     return jaxpr.replace(constvars=constvars, invars=invars, eqns=eqns, outvars=outvars)
+
+
+def _drop_axis(spec: PartitionSpec, axis: str) -> tuple[PartitionSpec, int | None]:
+    """``spec`` without ``axis``, and the dimension it split (``None``: not named)."""
+    entries, dim = [], None
+    for d, e in enumerate(spec):
+        if e == axis:
+            e, dim = None, d
+        elif isinstance(e, tuple) and axis in e:
+            kept = tuple(a for a in e if a != axis)
+            e, dim = (kept if len(kept) > 1 else (kept[0] if kept else None)), d
+        entries.append(e)
+    return PartitionSpec(*entries), dim
+
+
+def stage_free_residuals(prog: Any, stage_axis: str, num_stages: int) -> Any:
+    """Residuals of ``shard_map(check_vma=False)`` without the stage axis.
+
+    Differentiated, such a shard_map on the global mesh (in a task) passes its residuals
+    to its transpose split over *every* mesh axis, the stage axis too: one copy per
+    stage in the reference, where the shard_map runs on all stages' devices. Inside a
+    task it runs on one submesh, which has no stage axis. Where a value made that way is
+    read only by shard_maps on the same mesh with the same spec (each device reads back
+    the block it wrote), the stage axis is dropped from both specs and the value holds
+    one stage's blocks (its dimension ``num_stages`` times smaller). Anything else keeps
+    the specs, and placement names the stage axis in a clear error."""
+    eqns = list(prog.eqns)
+    users: dict[Any, list[tuple[int, int]]] = {}
+    for j, e in enumerate(eqns):
+        for pos, a in enumerate(e.invars):
+            if not isinstance(a, jcore.Literal):
+                users.setdefault(a, []).append((j, pos))
+    outs = {v for v in prog.outvars if not isinstance(v, jcore.Literal)}
+
+    def on_global(e: Any) -> Any:
+        mesh = e.params.get("mesh") if e.primitive.name == "shard_map" else None
+        return mesh if mesh is not None and stage_axis in mesh.axis_names else None
+
+    changed = False
+    for i, e in enumerate(eqns):
+        mesh = on_global(e)
+        if mesh is None:
+            continue
+        for k, spec in enumerate(e.params["out_specs"]):
+            v = e.outvars[k]
+            if not isinstance(spec, PartitionSpec) or stage_axis not in spec_axes(spec):
+                continue
+            if v in outs or not users.get(v):
+                continue
+            if not all(
+                on_global(eqns[j]) == mesh and eqns[j].params["in_specs"][pos] == spec
+                for j, pos in users[v]
+            ):
+                continue
+            new_spec, dim = _drop_axis(spec, stage_axis)
+            shape = list(v.aval.shape)
+            if dim is None or shape[dim] % num_stages:
+                continue
+            shape[dim] //= num_stages
+            nv = _compat.Var(v.aval.update(shape=tuple(shape)))
+            cur = eqns[i]
+            out_specs = list(cur.params["out_specs"])
+            out_specs[k] = new_spec
+            outvars = list(cur.outvars)
+            outvars[k] = nv
+            eqns[i] = cur.replace(
+                params={**cur.params, "out_specs": tuple(out_specs)}, outvars=outvars
+            )
+            for j, pos in users[v]:
+                u = eqns[j]
+                in_specs = list(u.params["in_specs"])
+                in_specs[pos] = new_spec
+                invars = list(u.invars)
+                invars[pos] = nv
+                eqns[j] = u.replace(params={**u.params, "in_specs": tuple(in_specs)}, invars=invars)
+            users[nv] = users.pop(v)
+            changed = True
+    return dataclasses.replace(prog, eqns=eqns) if changed else prog
