@@ -188,6 +188,25 @@ def replicated_outputs_and_keys() -> None:
     print("replicated outputs ok", flush=True)
 
 
+def keys_onto_a_submesh_over_processes() -> None:
+    """A process-local typed PRNG key (and a raw one) given to a submesh that spans
+    processes: every process puts its part of the same host value (a typed key as its
+    key data: it cannot become a NumPy array as it is)."""
+    mmesh = mm.make_mesh((1, 8), ("stage", "data"))
+
+    def f(x, key, raw):
+        with mm.task("a", stage=0):
+            return x + jax.random.uniform(key, x.shape) + jax.random.uniform(raw, x.shape)
+
+    x = np.arange(8.0, dtype=np.float32)
+    key, raw = jax.random.key(3), jax.random.PRNGKey(4)
+    got = mm.distributed.to_host(mm.jit(f, mesh=mmesh)(x, key, raw))
+    with jax.default_device(jax.local_devices()[0]):
+        want = jax.jit(f)(x, key, raw)
+    np.testing.assert_array_equal(got, np.asarray(want))
+    print("keys over processes ok", flush=True)
+
+
 def sharded_compiles_in_parallel() -> None:
     """A data-parallel pipeline (layouts XLA chooses, so transfer shardings wait for
     compiles) compiled on several threads per process when MULTIMESH_COMPILE_THREADS
@@ -313,6 +332,7 @@ def main() -> None:
         np.savez(out, **results)
     if which == "quick":
         replicated_outputs_and_keys()
+        keys_onto_a_submesh_over_processes()
         sharded_compiles_in_parallel()
     if which == "quick" and jax.process_index() == 0:
         # a program on this process's devices only: no other process takes part

@@ -602,6 +602,7 @@ class Executable:
             ids: list[int] = []
             vals: list[Any] = []
             shs: list[Any] = []
+            keys: dict[int, Any] = {}  # position in ids -> PRNG impl of a key put as data
             for a, home, direct, extracts, puts, tgts, aval in leaves_t:
                 x = args[a]
                 here = False
@@ -629,10 +630,16 @@ class Executable:
                         shs.append(sh)
                     continue
                 v = _as_array(x, aval)
+                impl = None
                 if spans and isinstance(v, jax.Array) and v.is_fully_addressable:
                     # a process-local value onto a submesh split over processes: every
-                    # process puts its part of the same host value
-                    v = np.asarray(v)
+                    # process puts its part of the same host value (a typed PRNG key as
+                    # its key data, wrapped again once put)
+                    if _is_key(v):
+                        impl = jax.random.key_impl(v)
+                        v = np.asarray(jax.random.key_data(v))
+                    else:
+                        v = np.asarray(v)
                 if a in host_cut and isinstance(v, jax.Array):
                     cuts = iter(split_on_device(a, tgts, v))
                     for sid, sh, cut, _shape in tgts:
@@ -641,12 +648,14 @@ class Executable:
                         shs.append(sh)
                     continue
                 for sid, sh, cut, _shape in tgts:
+                    if impl is not None:
+                        keys[len(ids)] = impl
                     ids.append(sid)
                     vals.append(v if cut is None else cut(v))
                     shs.append(sh)
             if ids:
-                for sid, v in zip(ids, put(vals, shs)):
-                    env[sid] = v
+                for n, (sid, v) in enumerate(zip(ids, put(vals, shs))):
+                    env[sid] = v if n not in keys else jax.random.wrap_key_data(v, impl=keys[n])
 
         return (_CALL, run_inputs, (), (), ())
 
