@@ -128,8 +128,10 @@ def test_maxtext_checkpoint_resume_continues_the_loss_curve(nproc, uninterrupted
     # one process: a checkpoint every step, the 2 latest kept (MaxText's checkpoint_period
     # and max_num_checkpoints_to_keep)
     every = ["--checkpoint-every", "1", "--max-to-keep", "2"] if nproc == 1 else []
+    # relative to the run's directory in one process (Orbax refused relative paths)
+    rel = "ck" if nproc == 1 else ck
     first, _ = run_cli(
-        [*RESUMABLE, "--num-steps", "3", "--checkpoint-dir", ck, *every], tmp_path,
+        [*RESUMABLE, "--num-steps", "3", "--checkpoint-dir", rel, *every], tmp_path,
         nproc=nproc, name="first",
     )
     assert first["first_step"] == 0
@@ -144,7 +146,7 @@ def test_maxtext_checkpoint_resume_continues_the_loss_curve(nproc, uninterrupted
             cli.main([*RESUMABLE, "--num-steps", "5", "--checkpoint-dir", ck])
         assert e.value.code == 2
     resumed, out = run_cli(
-        [*RESUMABLE, "--num-steps", "5", "--checkpoint-dir", ck, "--resume"], tmp_path,
+        [*RESUMABLE, "--num-steps", "5", "--checkpoint-dir", rel, "--resume"], tmp_path,
         nproc=nproc, name="resumed",
     )
     assert "MaxText resumes from its step 2 checkpoint" in out, out[-3000:]

@@ -111,6 +111,12 @@ def test_every_layout_and_schedule(layout, schedule, tmp_path):
         (["--checkpoint-dir", "/proc/no/such"], "--checkpoint-dir /proc/no/such: cannot create"),
         (["--max-to-keep", "2"], "--max-to-keep needs --checkpoint-dir"),
         (["--metrics", "/nonexistent-dir/m.json"], "the directory /nonexistent-dir does not"),
+        (
+            ["--pp", "2", "--dp", "4", "--microbatch-size", "2"],  # 8 microbatches, derived
+            "x 8 microbatches (--batch-size / --microbatch-size 2) = 32",
+        ),
+        (["--model-name", "llama2-7b"], "--model-name is for --model maxtext"),
+        (["--maxtext-override", "dtype=float32"], "--maxtext-override is for --model maxtext"),
     ],
 )
 def test_flag_errors(args, message, capsys):
@@ -137,7 +143,11 @@ def test_checkpoint_dir_errors_before_training(tmp_path, capsys):
         (["--checkpoint-dir", str(afile)], "is a file, not a directory"),
         (["--checkpoint-dir", str(tmp_path / "ck")], "holds checkpoints (steps [3]); pass --resume"),
         (["--dump", str(afile)], "is a file; give a directory"),
+        # a numbered folder that is no checkpoint (was a traceback after building the model)
+        (["--checkpoint-dir", str(tmp_path / "other")], "numbered folders that are not checkpoints (7)"),
+        (["--checkpoint-dir", str(tmp_path / "other"), "--resume"], "that are not checkpoints"),
     ]:
+        (tmp_path / "other" / "7").mkdir(parents=True, exist_ok=True)
         with pytest.raises(SystemExit) as e:
             cli.main(args)
         assert e.value.code == 2
@@ -185,6 +195,12 @@ def test_help_documents_every_flag():
         "--tolerance",
     ]:
         assert flag in text, flag
+    # and the README lists every flag --help has
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for action in cli.parser()._actions:  # noqa: SLF001
+        for flag in action.option_strings:
+            if flag.startswith("--") and flag != "--help":
+                assert flag in readme, f"README does not mention {flag}"
 
 
 def test_dump(tmp_path):

@@ -439,8 +439,10 @@ def saved_steps(directory: str | os.PathLike) -> list[int]:
     return sorted(int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit() and _is_step(p))
 
 
-def _foreign_steps(directory: Path) -> list[str]:
-    """Integer-named folders in ``directory`` that are not Orbax steps."""
+def foreign_steps(directory: str | os.PathLike) -> list[str]:
+    """Integer-named folders in ``directory`` that are not Orbax steps (a
+    :class:`CheckpointManager` refuses such a directory)."""
+    directory = Path(directory)
     if not directory.is_dir():
         return []
     out = []
@@ -472,7 +474,7 @@ class CheckpointManager:
                 f"{self.directory} is a file, not a directory: give CheckpointManager a "
                 "directory of its own for checkpoints"
             )
-        foreign = _foreign_steps(self.directory)
+        foreign = foreign_steps(self.directory)
         if foreign:
             raise ValueError(
                 f"{self.directory} holds numbered folders that are not checkpoints "

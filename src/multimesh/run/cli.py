@@ -249,9 +249,14 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
         ns.num_microbatches = ns.pp
     m = ns.num_microbatches
     if ns.batch_size % (data * m):
+        mb = (
+            f"{m} microbatches (--batch-size / --microbatch-size {ns.microbatch_size})"
+            if ns.microbatch_size is not None
+            else f"--num-microbatches {m}"
+        )
         p.error(
             f"--batch-size {ns.batch_size} is not divisible by --dp {ns.dp} x --fsdp {ns.fsdp} "
-            f"x --num-microbatches {m} = {data * m}"
+            f"x {mb} = {data * m}"
         )
     if ns.schedule == "interleaved-1f1b" and m % ns.pp:
         p.error(
@@ -290,6 +295,24 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
         p.error("--checkpoint-every must be at least 1")
     if ns.max_to_keep is not None and ns.max_to_keep < 1:
         p.error("--max-to-keep must be at least 1")
+    if ns.model != "maxtext":
+        for flag, given in (
+            ("--model-name", ns.model_name is not None),
+            ("--maxtext-override", ns.maxtext_override is not None),
+        ):
+            if given:
+                p.error(f"{flag} is for --model maxtext (this run trains --model {ns.model})")
+    if ns.checkpoint_dir:
+        from multimesh.checkpoint import foreign_steps
+
+        foreign = foreign_steps(ns.checkpoint_dir)
+        if foreign and ns.model != "maxtext":
+            p.error(
+                f"--checkpoint-dir {ns.checkpoint_dir} holds numbered folders that are not "
+                f"checkpoints ({', '.join(foreign[:5])}); use a directory of its own"
+            )
+        # absolute: Orbax refuses relative paths (MaxText passes it on as given)
+        ns.checkpoint_dir = os.path.abspath(ns.checkpoint_dir)
     if ns.model == "maxtext" and sys.version_info < (3, 12):
         p.error("--model maxtext needs Python >= 3.12 (MaxText 0.2.5)")
     if ns.model == "maxtext":

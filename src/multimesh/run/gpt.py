@@ -79,9 +79,10 @@ def run(ns: argparse.Namespace) -> int:
             except ValueError as e:
                 print(
                     f"multimesh-run: error: the checkpoint at step {latest} in "
-                    f"{ns.checkpoint_dir} does not fit this model (was it saved with other "
-                    "--num-layers/--model-dims/--num-heads/--mlp-dims/--vocab-size/"
-                    "--tied-embeddings? --num-layers defaults to --pp x --interleave): "
+                    f"{ns.checkpoint_dir} does not fit this model or cannot be read (was "
+                    "it saved with other --num-layers/--model-dims/--num-heads/--mlp-dims/"
+                    "--vocab-size/--tied-embeddings? --num-layers defaults to --pp x "
+                    "--interleave; or is the step damaged?): "
                     f"{str(e).splitlines()[0][:300]}",
                     file=sys.stderr,
                 )
