@@ -77,6 +77,25 @@ def test_scanned_layers_on_four_stages(explicit, mesh4x2):
     assert not [p for p in plan.inputs if p.mode == "put" and p.arg == 0]
 
 
+@pytest.mark.parametrize("m", [None, 2], ids=["whole-batch", "microbatched"])
+def test_scanned_layers_on_a_stage_only_mesh(m):
+    """A MultiMesh with the stage axis alone: the second step, fed the first's
+    ``P('stage')`` stacked weights, failed with a bare AttributeError (a 1-D mesh's row
+    of devices is one device)."""
+    mmesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    ws, x, y = data()
+    step = sgd_step(scanned, m)
+    f = mm.jit(step, mesh=mmesh)
+    mw, rw = ws, ws
+    for _ in range(2):
+        mw, ml = f(mw, x, y)
+        with mmesh:
+            rw, rl = jax.jit(step)(rw, x, y)
+        assert_close(ml, rl, rtol=1e-5)
+    assert_close(mw, rw, rtol=1e-5, atol=1e-6)
+    assert_stage_sharded(mw, mmesh)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero-bubble-h1"])
 def test_scanned_layers_with_microbatches_and_adam(schedule, mesh4x2):
     ws, x, y = data(16)

@@ -298,6 +298,25 @@ def test_interleaving_errors():
         mm.jit(g, mesh=mmesh)(weights(4), x, y)
 
 
+def test_interleaved_tasks_next_to_each_other_on_a_submesh_are_named():
+    """8 task stages on 4 submeshes visited 6, 4, 7, 3, ...: 7 and 3 follow each other
+    on submesh 3 and run as one pipeline stage. The error said "6 pipeline stages on 4
+    submeshes" and to use a multiple of 4 task stages (there are 8)."""
+    order = [6, 4, 7, 3, 0, 5, 1, 2]
+
+    def loss(ws, x, y):
+        h = x
+        for i, (st, w) in enumerate(zip(order, ws)):
+            with mm.task(f"t{i}", stage=st):
+                h = h + jnp.tanh(h @ w)
+        return jnp.mean((h - y) ** 2)
+
+    g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=(1, 2), schedule="interleaved-1f1b")
+    x, y = data(8)
+    with pytest.raises(ValueError, match=r"task stages \[5, 7\] run next to another task stage"):
+        mm.jit(g, mesh=stage_mesh(4))(weights(8), x, y)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_grad_outside_the_microbatch_loop(schedule):
     mmesh = stage_mesh(2)

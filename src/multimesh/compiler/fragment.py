@@ -681,6 +681,23 @@ def _build_schedules(groups, loops, labels):
             ) from None
         num_virtual = len(order)
         chunks = max(1, num_virtual // max(S, 1))
+        every = {
+            labels.virtual[i]
+            for gid in mine
+            for i in groups[gid].eqns
+            if labels.virtual and labels.tasks[i] is not None
+        }
+        if num_virtual % S and len(every) > num_virtual:
+            merged = sorted(every - set(order))
+            raise ValueError(
+                f"the microbatch loop's forward pass goes from one task stage straight to "
+                f"another on the same submesh (task stages {merged} run next to another "
+                f"task stage on their submesh, as one pipeline stage with it), which leaves "
+                f"{num_virtual} pipeline stages (order {order}) on {S} submeshes. An "
+                "interleaved pipeline visits the submeshes in turn (position p on submesh "
+                "p % S): order the tasks so that consecutive stages are on different "
+                "submeshes (stage v on submesh v % S, visited 0, 1, 2, ...)."
+            )
         if num_virtual % S:
             raise ValueError(
                 f"the microbatch loop has {num_virtual} pipeline stages on {S} submeshes; "

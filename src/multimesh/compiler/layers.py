@@ -433,7 +433,7 @@ def _stage_rows(sh: Any, stage_axis: str, by_devs: dict, shape: tuple[int, ...])
     per = shape[0] // n_stages
     out = {}
     for j in range(n_stages):
-        devs = frozenset(int(d.id) for d in np.take(mesh.devices, j, axis=dim).flat)
+        devs = frozenset(int(d.id) for d in np.take(mesh.devices, [j], axis=dim).flat)
         if devs not in by_devs:
             return {}
         out[(j * per, (j + 1) * per)] = by_devs[devs]
