@@ -389,11 +389,11 @@ class MpmdFunction:
                 return self._inline(args, kwargs)
             raise traced_error()
         if _compat.jit_disabled():  # as jax.jit: plain Python, tasks transparent
-            return self.run_eagerly(args, kwargs)
+            return self._run_eagerly(args, kwargs)
         compiled, flat = self._compiled_for(args, kwargs)
         return compiled.call_flat(flat)
 
-    def run_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _run_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fun(*args, **kwargs)`` as plain JAX (the reference), under this function's
         MultiMesh: what a call does under ``jax.disable_jit()``."""
         mmesh = self.multimesh

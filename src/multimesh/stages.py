@@ -457,7 +457,7 @@ class Compiled(_ArgsInfo):
             args, kwargs = self._call.rebuild(dargs, dkw)
             try:
                 with jax.disable_jit():
-                    self._fn.run_eagerly(args, kwargs)
+                    self._fn._run_eagerly(args, kwargs)
             except (FloatingPointError, ZeroDivisionError) as e2:
                 raise e2 from None
             raise FloatingPointError(
