@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import multimesh as mm
 
@@ -156,3 +157,58 @@ def test_unhashable_static_argument_is_a_value_error(mesh4x2):
     g = mm.jit(two_stage, mesh=mesh4x2, static_argnums=1)
     with pytest.raises(ValueError, match="must be hashable"):
         g(jnp.ones(2), [2.0])
+
+
+def test_disable_jit_reaches_grad_vmap_and_compiled(mesh4x2):
+    g = mm.jit(lambda x: two_stage(x, 2.0), mesh=mesh4x2)
+    x = jnp.array([0.25, 0.5])
+    compiled = g.lower(x).compile()
+    want = jax.grad(lambda v: two_stage(v, 2.0).sum())(x)
+    with jax.disable_jit():
+        np.testing.assert_allclose(jax.grad(lambda v: g(v).sum())(x), want, rtol=1e-6)
+        np.testing.assert_allclose(jax.vmap(g)(x[:, None])[:, 0], two_stage(x, 2.0), rtol=1e-6)
+        np.testing.assert_allclose(compiled(x), two_stage(x, 2.0), rtol=1e-6)
+        with pytest.raises(RuntimeError, match="record.*disable_jit"):
+            g.record(x)
+
+
+def test_inner_mm_jit_options_that_would_be_dropped_are_errors(mesh4x2):
+    x = jnp.array([0.25, 0.5])
+    for kw in ({"out_shardings": P()}, {"task_rules": {"lay": 0}}):
+        inner = mm.jit(lambda v: v * 2, mesh=mesh4x2, **kw)
+        with pytest.raises(ValueError, match="would not apply there"):
+            mm.jit(lambda v, inner=inner: inner(v) + 1, mesh=mesh4x2)(x)
+    inner = mm.jit(lambda v: two_stage(v, 2.0), mesh=mesh4x2)
+
+    def outer(v):
+        with mm.task("t", mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))):
+            v = v + 1
+        return inner(v)
+
+    with pytest.raises(ValueError, match="traced without one; give the outer mm.jit the same"):
+        mm.jit(outer)(x)
+
+
+def test_shard_map_given_the_submesh_inside_a_task_is_a_clear_error(mesh222):
+    def f(x):
+        with mm.task("a", stage=1):
+            return jax.shard_map(
+                lambda a: a * 2, mesh=mesh222.submesh(1), in_specs=P("data"), out_specs=P("data")
+            )(x)
+
+    with pytest.raises(ValueError, match="Leave out shard_map's mesh="):
+        mm.jit(f, mesh=mesh222)(jnp.ones((4, 2)))
+
+
+def test_tracing_errors_inside_microbatch_name_the_users_loss(mesh4x2):
+    def loss(w, batch):
+        with mm.task("a", stage=0):
+            if batch.sum() > 0:
+                return w.sum()
+            return -w.sum()
+
+    step = mm.microbatch(jax.grad(loss), 2, argnums=1)
+    with pytest.raises(jax.errors.TracerBoolConversionError) as info:
+        mm.jit(step, mesh=mesh4x2)(jnp.ones(2), jnp.ones((4, 2)))
+    text = str(info.value)
+    assert "the function loss at " in text and "argument batch" in text, text

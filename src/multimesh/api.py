@@ -60,6 +60,13 @@ _SHARD_MAP_TRANSPOSE = (
     "mesh=."
 )
 
+_SHARD_MAP_MESH = (
+    "mm.jit: a shard_map was given a mesh= other than the one its code is traced under "
+    "(in a stage= task, or a mesh= task on exactly mmesh.submesh(i), that is the global "
+    "mesh, as under `with mmesh: jax.jit(f)`). Leave out shard_map's mesh=: inside a "
+    "task it runs on the task's submesh."
+)
+
 _ARRAY_LIKE = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
 
@@ -212,6 +219,8 @@ class MpmdFunction:
                 except Exception as e:  # JAX names our flat function: name the user's
                     if mmesh is not None and "use_abstract_mesh cannot change the size" in str(e):
                         raise ValueError(_SHARD_MAP_TRANSPOSE) from e
+                    if mmesh is not None and "should match the mesh passed to shard_map" in str(e):
+                        raise ValueError(_SHARD_MAP_MESH) from e
                     self._rename_in_error(e, call)
                     raise
         finally:
@@ -384,12 +393,12 @@ class MpmdFunction:
 
     @_compat.api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _compat.jit_disabled():  # as jax.jit: plain Python, tasks transparent
+            return self._run_eagerly(args, kwargs)
         if _compat.tracing():  # inside jax.jit / scan, even with concrete arguments
             if trace_state() is not None:  # inside another mm.jit: one program
                 return self._inline(args, kwargs)
             raise traced_error()
-        if _compat.jit_disabled():  # as jax.jit: plain Python, tasks transparent
-            return self._run_eagerly(args, kwargs)
         compiled, flat = self._compiled_for(args, kwargs)
         return compiled.call_flat(flat)
 
@@ -397,18 +406,46 @@ class MpmdFunction:
         """``fun(*args, **kwargs)`` as plain JAX (the reference), under this function's
         MultiMesh: what a call does under ``jax.disable_jit()``."""
         mmesh = self.multimesh
-        with mmesh if mmesh is not None else contextlib.nullcontext():
+        if mmesh is None:
             return self.fun(*args, **kwargs)
+        if not _compat.tracing():
+            with mmesh:
+                return self.fun(*args, **kwargs)
+        # under jax.grad / vmap (which disable_jit leaves tracing): JAX refuses set_mesh
+        tok = set_active(mmesh)
+        try:
+            with _compat.use_abstract_mesh(mmesh.mesh.abstract_mesh):
+                return self.fun(*args, **kwargs)
+        finally:
+            reset_active(tok)
 
     def _inline(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Called while another ``mm.jit`` function traces: part of that program (as a
         ``jax.jit`` function inside another), on that function's MultiMesh."""
         outer = trace_state().multimesh  # type: ignore[union-attr]
-        if self._mesh is not None and outer is not None and self._mesh != outer:
+        if self._mesh is not None and self._mesh != outer:
+            where = f"on another MultiMesh ({outer})" if outer is not None else "without one"
             raise ValueError(
                 f"mm.jit function {self._fun_name!r} (mesh={self._mesh}) is called inside "
-                f"an mm.jit function traced on another MultiMesh ({outer}); give both the "
-                "same mesh, or call the inner function's .fun."
+                f"an mm.jit function traced {where}; give the outer mm.jit the same mesh "
+                "(the inner one becomes part of its program), or call the inner "
+                "function's .fun."
+            )
+        given = [
+            name
+            for name, v in (
+                ("task_rules", self._task_rules),
+                ("in_shardings", self._in_shardings),
+                ("out_shardings", self._out_shardings),
+            )
+            if v is not None
+        ]
+        if given:
+            raise ValueError(
+                f"mm.jit function {self._fun_name!r} is called inside another mm.jit "
+                f"function, whose program it becomes part of; its {' and '.join(given)} "
+                "would not apply there: give them to the outer mm.jit (or use sharding "
+                "constraints), or call the inner function's .fun."
             )
         self._signature.normalize(args, kwargs)  # the same argument checks as a call
         return self.fun(*args, **kwargs)

@@ -13,6 +13,7 @@ submesh that owns it.
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -202,14 +203,16 @@ def microbatch(
                 # same jitted function, a cache hit after the first (the compiler inlines
                 # each call in its microbatch scope), so tracing does not grow with M
                 batch = tuple(sorted(specs))
-                traced_once = jax.jit(lambda bp: call(_with_batch(pieces[0], batch, bp)))
+                traced_once = jax.jit(
+                    _named_like(fun, batch, lambda *bp: call(_with_batch(pieces[0], batch, bp)))
+                )
                 acc: Any = None
                 per_mb: list[tuple[Any, Any]] = []
                 red = None
                 for k in range(M):
                     scope = microbatch_scope(loop, k)
                     with jax.named_scope(scope):
-                        out, aux = traced_once(tuple(pieces[k][i] for i in batch))
+                        out, aux = traced_once(*(pieces[k][i] for i in batch))
                         if red is None:
                             red = _reduce_tree(reduce, out)
                         summed = jax.tree.map(lambda r, o: None if r == "stack" else o, red, out)
@@ -243,6 +246,26 @@ def microbatch(
         return (outs, aux_out) if has_aux else outs
 
     return wrapped
+
+
+def _named_like(fun: Callable[..., Any], batch: tuple[int, ...], f: Callable[..., Any]):
+    """``f`` (called with the batch arguments, positions ``batch``) dressed as ``fun`` for
+    JAX's tracing errors: ``fun``'s name and source line, the arguments' own names."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+        names = [params[i].name for i in batch]
+        kinds = [params[i].kind for i in batch]
+    except (TypeError, ValueError, IndexError):
+        return f
+    if any(k not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+           for k in kinds):
+        return f
+    f.__wrapped__ = fun  # type: ignore[attr-defined]  # JAX's source info unwraps
+    f.__name__ = getattr(fun, "__name__", "fun")
+    f.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names]
+    )
+    return f
 
 
 def _with_batch(k_args: tuple[Any, ...], batch: tuple[int, ...], bp: tuple[Any, ...]):

@@ -357,6 +357,9 @@ class Compiled(_ArgsInfo):
 
     @_compat.api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _compat.jit_disabled():  # plain Python, as the mm.jit function would run
+            full, kw = self._call.rebuild(args, kwargs)
+            return self._fn._run_eagerly(full, kw)
         if _compat.tracing():
             raise traced_error()
         flat, tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -421,6 +424,11 @@ class Compiled(_ArgsInfo):
 
     def record_flat(self, flat: Sequence[Any]) -> tuple[Any, Any]:
         """:meth:`record` on flat arguments."""
+        if _compat.jit_disabled():
+            raise RuntimeError(
+                "record() measures the compiled fragments, which do not run under "
+                "jax.disable_jit(): call it outside that context."
+            )
         if _compat.checks_special():
             return self._checked(lambda: self._record(flat), flat)
         return self._record(flat)

@@ -687,16 +687,15 @@ def _build_schedules(groups, loops, labels):
             for i in groups[gid].eqns
             if labels.virtual and labels.tasks[i] is not None
         }
-        if num_virtual % S and len(every) > num_virtual:
-            merged = sorted(every - set(order))
+        if len(every) > max(num_virtual, S):
             raise ValueError(
                 f"the microbatch loop's forward pass goes from one task stage straight to "
-                f"another on the same submesh (task stages {merged} run next to another "
-                f"task stage on their submesh, as one pipeline stage with it), which leaves "
-                f"{num_virtual} pipeline stages (order {order}) on {S} submeshes. An "
-                "interleaved pipeline visits the submeshes in turn (position p on submesh "
-                "p % S): order the tasks so that consecutive stages are on different "
-                "submeshes (stage v on submesh v % S, visited 0, 1, 2, ...)."
+                f"another on the same submesh (stage v runs on submesh v % {S}), so such "
+                f"task stages run as one pipeline stage: its {len(every)} task stages make "
+                f"{num_virtual} pipeline stages on {S} submeshes. An interleaved pipeline "
+                "visits the submeshes in turn (position p on submesh p % S): order the "
+                "tasks so that consecutive stages are on different submeshes (visited 0, "
+                "1, 2, ...)."
             )
         if num_virtual % S:
             raise ValueError(
@@ -717,6 +716,14 @@ def _build_schedules(groups, loops, labels):
                 f"the microbatch loop has {num_virtual} task stages on {S} submeshes; "
                 f"schedule {sched.name!r} runs one stage per submesh: use "
                 "mm.schedules.Interleaved1F1B() (or fewer stages)."
+            )
+        firsts = [submesh_of[v] for v in order[:S]]
+        if chunks > 1 and len(set(firsts)) < len(firsts):
+            raise ValueError(
+                f"the microbatch loop visits task stages in the order {order}; an "
+                f"interleaved pipeline visits its {S} submeshes in turn, but its first "
+                f"{S} stages are on submeshes {firsts}. Give consecutive stages different "
+                f"submeshes (stage v on submesh v % {S}, visited 0, 1, 2, ...)."
             )
         for p, v in enumerate(order):
             if submesh_of[v] != submesh_of[order[p % S]]:

@@ -130,7 +130,11 @@ def _check_shard_map(params: dict[str, Any], ctx: Ctx) -> None:
     for k in ("in_specs", "out_specs"):
         for spec in params.get(k, ()) or ():
             if isinstance(spec, PartitionSpec) and ctx.stage_axis in spec_axes(spec):
-                if params.get("check_vma", params.get("check_rep")) is False:
+                mesh = params.get("mesh")
+                every = set(getattr(mesh, "axis_names", ()))
+                if params.get("check_vma", params.get("check_rep")) is False and every <= set(
+                    spec_axes(spec)
+                ):  # JAX's residual spec: every mesh axis
                     raise ValueError(
                         f"{ctx.where}: a differentiated shard_map(check_vma=False) passes "
                         f"values split over every mesh axis, the stage axis "
