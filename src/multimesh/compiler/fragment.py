@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from multimesh import _compat
 from multimesh.compiler import inline
 from multimesh.compiler.ir import FlatProgram, Labels, Literal, Placement
-from multimesh.schedules import Action
+from multimesh.schedules import Action, Custom
 
 _compat.register_exclusion(__file__)
 
@@ -933,6 +933,30 @@ def _loop_order(groups, loop_groups, sched_rows, topo):
                         out.append(gid)
     rest = [g for g in loop_groups if g not in placed and groups[g].alive]
     out += sorted(rest, key=lambda x: (groups[x].level, groups[x].mb))
+    if any(not isinstance(sched, Custom) for sched, _r, _s in sched_rows.values()):
+        out = _own_needs_first(groups, out)
+    return out
+
+
+def _own_needs_first(groups, seq: list[int]) -> list[int]:
+    """``seq`` with each group's predecessors on the same submesh moved before it (else in
+    ``seq``'s order). A built-in schedule knows only the pipeline's dependencies; a
+    program can add more on one submesh, e.g. a tied weight's gradient accumulated in a
+    microbatch's B after the previous microbatch's W: zero-bubble's deferred W then
+    runs just before that B (the user's ``Custom`` order is kept, and checked)."""
+    at = {g: i for i, g in enumerate(seq)}
+    done: set[int] = set()
+    out: list[int] = []
+
+    def emit(g: int) -> None:
+        done.add(g)
+        for p in sorted((p for p in groups[g].pred if p in at and p not in done), key=at.get):
+            emit(p)
+        out.append(g)
+
+    for g in seq:
+        if g not in done:
+            emit(g)
     return out
 
 

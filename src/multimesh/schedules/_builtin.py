@@ -102,7 +102,12 @@ class Interleaved1F1B(Schedule):
 @dataclasses.dataclass(frozen=True)
 class ZeroBubbleH1(Schedule):
     """Zero-bubble H1 (Qi et al. 2023): the backward is split into input-gradient (B) and
-    weight-gradient (W) parts; W work is deferred into bubbles, at 1F1B's memory."""
+    weight-gradient (W) parts. F and B run in 1F1B's order; each W waits until its
+    submesh would otherwise idle, filling 1F1B's bubbles. A submesh holds at most S
+    microbatches (forward started, W not done): the peak 1F1B's first submesh has, so
+    the pipeline's peak memory is 1F1B's (later submeshes hold more than under 1F1B).
+    With equal F, B and W costs and M >= S the step takes 3M + S - 1 units: a bubble of
+    (S - 1) / (3M + S - 1), a third of 1F1B's."""
 
     name: str = dataclasses.field(default="zero-bubble-h1", init=False)
     splits_backward: bool = dataclasses.field(default=True, init=False)
@@ -110,59 +115,49 @@ class ZeroBubbleH1(Schedule):
     def order(self, num_submeshes: int, num_microbatches: int, num_chunks: int = 1) -> Order:
         if num_chunks != 1:
             raise ValueError("ZeroBubbleH1 runs one stage per submesh.")
-        return _greedy(num_submeshes, num_microbatches, limit=lambda s: num_submeshes - s)
+        return _fill_with_w(num_submeshes, num_microbatches)
 
 
-def _greedy(S: int, M: int, limit: Any) -> Order:
-    """List-schedule with unit costs: B first, then F (while fewer than ``limit(s)``
-    microbatches are in flight), then W; record each submesh's order."""
-    done: dict[Action, float] = {}
+def _fill_with_w(S: int, M: int) -> Order:
+    """1F1B's order of F and B on each submesh, with every W placed by a unit-cost list
+    schedule: a submesh runs its next F or B if it can start now, else its oldest pending
+    W (an F also waits while S microbatches are in flight); leftover Ws run at the end."""
+    fb: list[list[Action]] = OneFOneB().order(S, M)
+    pos = [0] * S
     free = [0.0] * S
-    nextf = [0] * S
-    pending_b: list[list[int]] = [[] for _ in range(S)]
+    done: dict[Action, float] = {}
     pending_w: list[list[int]] = [[] for _ in range(S)]
     in_flight = [0] * S
     out: Order = [[] for _ in range(S)]
-    total = 3 * S * M
-    while len(done) < total:
-        best = None
+    while len(done) < 3 * S * M:
+        best: tuple[float, int, int, Action] | None = None
         for s in range(S):
-            cands = []
-            for k in pending_b[s]:
-                a = Action(s, k, "B")
+            cands: list[tuple[float, int, Action]] = []
+            if pos[s] < len(fb[s]):
+                a = fb[s][pos[s]]
                 deps = dependencies(a, S, True)
-                if all(d in done for d in deps):
-                    cands.append((0, max([free[s]] + [done[d] for d in deps]), a))
-            if nextf[s] < M and in_flight[s] < limit(s):
-                a = Action(s, nextf[s], "F")
-                deps = dependencies(a, S, True)
-                if all(d in done for d in deps):
-                    cands.append((1, max([free[s]] + [done[d] for d in deps]), a))
-            for k in pending_w[s]:
-                a = Action(s, k, "W")
-                cands.append((2, max(free[s], done[Action(s, k, "B")]), a))
-            if not cands:
-                continue
-            # earliest start first; among equal starts, B > F > W
-            pick = min(cands, key=lambda c: (c[1], c[0], c[2].microbatch))
-            if best is None or (pick[1], pick[2].stage) < (best[1], best[2].stage):
-                best = pick
-        assert best is not None, "greedy schedule stalled"
-        _, start, a = best
-        s = a.stage
-        done[a] = start + 1.0
-        free[s] = start + 1.0
+                if all(d in done for d in deps) and (a.phase != "F" or in_flight[s] < S):
+                    cands.append((max([free[s]] + [done[d] for d in deps]), 0, a))
+            if pending_w[s]:
+                a = Action(s, pending_w[s][0], "W")
+                cands.append((max(free[s], done[Action(s, a.microbatch, "B")]), 1, a))
+            if cands:
+                start, kind, a = min(cands, key=lambda c: (c[0], c[1]))
+                if best is None or (start, s) < (best[0], best[1]):
+                    best = (start, s, kind, a)
+        assert best is not None, "zero-bubble schedule stalled"
+        start, s, _kind, a = best
+        done[a] = free[s] = start + 1.0
         out[s].append(a)
-        if a.phase == "F":
-            nextf[s] += 1
-            in_flight[s] += 1
-            pending_b[s].append(a.microbatch)
-        elif a.phase == "B":
-            pending_b[s].remove(a.microbatch)
-            pending_w[s].append(a.microbatch)
-        else:
-            pending_w[s].remove(a.microbatch)
+        if a.phase == "W":
+            pending_w[s].pop(0)
             in_flight[s] -= 1
+            continue
+        pos[s] += 1
+        if a.phase == "F":
+            in_flight[s] += 1
+        else:
+            pending_w[s].append(a.microbatch)
     return out
 
 
