@@ -319,6 +319,40 @@ def test_submit_after_runs_once_its_dependency_is_done():
         jobs.wait()
 
 
+def test_an_error_with_jobs_queued_behind_others_does_not_hang():
+    """A compile error (or Ctrl-C) while jobs wait in the queue with ``submit_after``
+    jobs behind them: closing the pool cancelled the queued job, whose callback
+    submitted to the pool inside its shutdown lock, in the same thread: a hang (a probe
+    saw it in 2 of 6 runs of a 1F1B compile with a bad compiler option)."""
+    jobs = compiling.Jobs(2)
+    release = threading.Event()
+
+    def fail():
+        time.sleep(0.2)
+        raise ValueError("bad option")
+
+    jobs.submit(fail)
+    jobs.submit(lambda: release.wait(timeout=20))  # holds the second thread
+    jobs.submit(lambda: release.wait(timeout=20))  # then the first, once it has failed
+    queued = jobs.submit(lambda: "queued")  # waits for a thread: cancelled by close()
+    jobs.submit_after(queued, lambda: "after")
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            jobs.wait()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    time.sleep(1.0)
+    release.set()
+    t.join(timeout=20)
+    assert not t.is_alive(), "Jobs.wait() hung"
+    assert errors and isinstance(errors[0], ValueError)
+
+
 def tp_step(ws, x):
     """Four stages, each a tensor-parallel pair of layers on a (2,)-device submesh."""
 

@@ -147,9 +147,13 @@ class Jobs:
             self.close()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        # closed (None) first: cancelling a queued job runs the callbacks of jobs queued
+        # after it (``submit_after``'s ``go``) in this thread, inside the executor's
+        # shutdown lock; submitting from there would wait for that lock forever (a hang
+        # after a compile error or Ctrl-C in the first call)
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 @contextlib.contextmanager

@@ -59,49 +59,54 @@ def record_run(exe: Any, args: Sequence[Any]) -> tuple[list[Any], Timeline]:
             if item is None:
                 return
             k, outs = item
-            if outs:
-                jax.block_until_ready(outs)
-                ends[k] = time.perf_counter()
-            else:  # every output is donated onward: it ended before its consumer began
+            try:
+                if outs:
+                    jax.block_until_ready(outs)
+                    ends[k] = time.perf_counter()
+                else:  # every output is donated onward: it ended before its consumer began
+                    ends[k] = None
+            except Exception:  # noqa: BLE001 - the run failed; record_run raises its error
                 ends[k] = None
 
     threads = [threading.Thread(target=waiter, args=(s,), daemon=True) for s in stages]
     for t in threads:
         t.start()
-    peak_bytes = {s: 0 for s in stages}
-    peak_mbs = {s: 0 for s in stages}
-    run_frag = {n: k for k, n in enumerate(exe._run_index)}
-    env = exe.fresh_env()
-    t_origin = time.perf_counter()
-    for n, (code, fn, ins, outs, free) in enumerate(exe._steps):
-        if code == _RUN:
-            k = run_frag[n]
-            dispatch[k] = time.perf_counter()
-            res = fn(*[env[i] for i in ins])
-            for i, r in zip(outs, res):
-                env[i] = r
-            keep = [r for i, r in zip(outs, res) if i not in exe.donated_slots]
-            queues[plan.frags[k].stage].put((k, keep))
-        else:
-            fn(env, args)
-        live_b = {s: 0 for s in stages}
-        live_m: dict[int, set] = {s: set() for s in stages}
-        for i, x in enumerate(env):
-            if x is not None and i in slot_stage and slot_stage[i] in live_b:
-                live_b[slot_stage[i]] += slot_bytes[i]
-                if slot_mb.get(i) is not None:
-                    live_m[slot_stage[i]].add(slot_mb[i])
+    try:
+        peak_bytes = {s: 0 for s in stages}
+        peak_mbs = {s: 0 for s in stages}
+        run_frag = {n: k for k, n in enumerate(exe._run_index)}
+        env = exe.fresh_env()
+        t_origin = time.perf_counter()
+        for n, (code, fn, ins, outs, free) in enumerate(exe._steps):
+            if code == _RUN:
+                k = run_frag[n]
+                dispatch[k] = time.perf_counter()
+                res = fn(*[env[i] for i in ins])
+                for i, r in zip(outs, res):
+                    env[i] = r
+                keep = [r for i, r in zip(outs, res) if i not in exe.donated_slots]
+                queues[plan.frags[k].stage].put((k, keep))
+            else:
+                fn(env, args)
+            live_b = {s: 0 for s in stages}
+            live_m: dict[int, set] = {s: set() for s in stages}
+            for i, x in enumerate(env):
+                if x is not None and i in slot_stage and slot_stage[i] in live_b:
+                    live_b[slot_stage[i]] += slot_bytes[i]
+                    if slot_mb.get(i) is not None:
+                        live_m[slot_stage[i]].add(slot_mb[i])
+            for s in stages:
+                peak_bytes[s] = max(peak_bytes[s], live_b[s])
+                peak_mbs[s] = max(peak_mbs[s], len(live_m[s]))
+            for i in free:
+                env[i] = None
+        outputs = exe.finish(env)
+        jax.block_until_ready(outputs)
+    finally:  # also when the run raises: no waiter left blocked, holding outputs
         for s in stages:
-            peak_bytes[s] = max(peak_bytes[s], live_b[s])
-            peak_mbs[s] = max(peak_mbs[s], len(live_m[s]))
-        for i in free:
-            env[i] = None
-    outputs = exe.finish(env)
-    jax.block_until_ready(outputs)
-    for s in stages:
-        queues[s].put(None)
-    for t in threads:
-        t.join()
+            queues[s].put(None)
+        for t in threads:
+            t.join()
     deps = _fragment_deps(plan)
     # A fragment starts once dispatched, its submesh is free and its inputs are made; a
     # fragment whose outputs were all donated onward has no observable end: it is shown
