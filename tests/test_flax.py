@@ -382,3 +382,35 @@ def test_nnx_create_stacked_layers_by_layer(mesh4x2):
     x = jnp.ones((8, d))
     gd, p = nnx.split(model)
     assert_close(mm.jit(lambda p, x: nnx.merge(gd, p)(x), mesh=mesh4x2)(p, x), eager(x), rtol=1e-6)
+
+
+def test_nnx_module_as_a_non_batch_argument_of_microbatch(mesh4x2):
+    """``mm.microbatch(nnx.value_and_grad(loss), M, argnums=(1, 2))(model, x, y)``: the
+    module was closed over, and Flax refused its graph nodes from another trace level
+    (in the reference and under mm.jit); arguments made of arrays are now passed."""
+
+    class Two(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(4, 4, rngs=rngs)
+            self.b = nnx.Linear(4, 1, rngs=rngs)
+
+        def __call__(self, x):
+            with mm.task("a", stage=0):
+                h = jnp.tanh(self.a(x))
+            with mm.task("b", stage=1):
+                return self.b(h)[:, 0]
+
+    model = Two(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (8, 4))
+    y = jnp.sin(x[:, 0])
+
+    def loss(m, xb, yb):
+        return jnp.mean((m(xb) - yb) ** 2)
+
+    step = mm.microbatch(nnx.value_and_grad(loss), 4, argnums=(1, 2), reduce="mean")
+    want = jax.jit(step)(model, x, y)
+    with mesh4x2:
+        want_spmd = jax.jit(step)(model, x, y)
+    got = mm.jit(step, mesh=mesh4x2)(model, x, y)
+    assert_close(got, want, rtol=1e-5)
+    assert_close(got, want_spmd, rtol=1e-5)

@@ -192,6 +192,10 @@ def microbatch(
                 return out
             return out, None
 
+        # non-batch arguments made of arrays (parameters, a Flax NNX module) are passed
+        # to the traced function rather than closed over: NNX refuses graph nodes from
+        # another trace level, and closure constants would be the same values anyway
+        carried = tuple(i for i, a in enumerate(args) if i not in specs and _arrays_only(a))
         state = trace_state()
         with stage_limit(sched):
             if state is not None:
@@ -202,7 +206,7 @@ def microbatch(
                 # traced once, like the reference scan's body: every microbatch calls the
                 # same jitted function, a cache hit after the first (the compiler inlines
                 # each call in its microbatch scope), so tracing does not grow with M
-                batch = tuple(sorted(specs))
+                batch = tuple(sorted(specs)) + carried
                 traced_once = jax.jit(
                     _named_like(fun, batch, lambda *bp: call(_with_batch(pieces[0], batch, bp)))
                 )
@@ -239,7 +243,12 @@ def microbatch(
                     is_leaf=lambda x: x is None,
                 )
             else:
-                red, outs, aux_out = _scan_reference(call, M, piece, reduce)
+                red, outs, aux_out = _scan_reference(
+                    lambda k, vals: call(_with_batch(piece(k), carried, vals)),
+                    tuple(args[i] for i in carried),
+                    M,
+                    reduce,
+                )
         outs = jax.tree.map(
             lambda r, o: o / M if r == "mean" and not _float0(o) else o, red, outs
         )
@@ -338,9 +347,16 @@ def _stack(trees: list[Any]) -> Any:
     )
 
 
-def _scan_reference(call, M, piece, reduce):
-    """The reference: ``lax.scan`` over microbatches, summing or stacking outputs."""
-    first_out, _ = jax.eval_shape(lambda: call(piece(0)))
+def _arrays_only(tree: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(tree)
+    return bool(leaves) and all(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+
+
+def _scan_reference(call, vals, M, reduce):
+    """The reference: ``lax.scan`` over microbatches, summing or stacking outputs.
+    ``call(k, vals)`` runs microbatch ``k``; ``vals`` (arguments passed, not closed
+    over) go through the scan's carry unchanged."""
+    first_out, _ = jax.eval_shape(lambda v: call(0, v), vals)
     red = _reduce_tree(reduce, first_out)
     init = jax.tree.map(
         lambda r, s: None if r == "stack" or _float0(s) else jnp.zeros(s.shape, s.dtype),
@@ -348,8 +364,9 @@ def _scan_reference(call, M, piece, reduce):
         first_out,
     )
 
-    def body(carry: Any, k: Any) -> tuple[Any, Any]:
-        out, aux = call(piece(k))
+    def body(state: Any, k: Any) -> tuple[Any, Any]:
+        carry, v = state
+        out, aux = call(k, v)
         new = jax.tree.map(
             lambda r, c, o: (
                 None
@@ -362,9 +379,9 @@ def _scan_reference(call, M, piece, reduce):
             is_leaf=lambda x: x is None,
         )
         ys = jax.tree.map(lambda r, o: o if r == "stack" else None, red, out)
-        return new, (ys, aux)
+        return (new, v), (ys, aux)
 
-    acc, (ys, aux) = jax.lax.scan(body, init, jnp.arange(M))
+    (acc, _v), (ys, aux) = jax.lax.scan(body, (init, vals), jnp.arange(M))
     outs = jax.tree.map(
         lambda r, a, y, s: y if r == "stack" else _float0_zeros(s) if _float0(s) else a,
         red,
