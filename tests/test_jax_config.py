@@ -212,3 +212,14 @@ def test_tracing_errors_inside_microbatch_name_the_users_loss(mesh4x2):
         mm.jit(step, mesh=mesh4x2)(jnp.ones(2), jnp.ones((4, 2)))
     text = str(info.value)
     assert "the function loss at " in text and "argument batch" in text, text
+
+
+def test_varargs_are_named_as_jax_names_them(mesh4x2):
+    def h(*xs):
+        with mm.task("a", stage=0):
+            if xs[1].sum() > 0:
+                return xs[0]
+            return -xs[0]
+
+    with pytest.raises(jax.errors.TracerBoolConversionError, match=r"argument xs\[1\]"):
+        mm.jit(h, mesh=mesh4x2)(jnp.ones(2), jnp.ones(2))

@@ -60,6 +60,8 @@ class Signature:
         ]
         self.varargs = sig is None or any(p.kind == p.VAR_POSITIONAL for p in params)
         self.param_names = positional
+        #: ``*xs``'s name: extra positional arguments are ``xs[i]`` (as jax.jit names them)
+        self.varargs_name = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), "args")
         n = len(positional)
 
         def resolve(nums: Sequence[int], what: str) -> tuple[int, ...]:
@@ -193,7 +195,8 @@ class Signature:
         names: list[str] = []
         for k, a in enumerate(call.dyn_args):
             p = call.positions[k]
-            base = self.param_names[p] if p < len(self.param_names) else f"args[{p}]"
+            n = len(self.param_names)
+            base = self.param_names[p] if p < n else f"{self.varargs_name}[{p - n}]"
             for path, _ in jax.tree_util.tree_leaves_with_path(a):
                 names.append(base + jax.tree_util.keystr(path))
         for name in sorted(call.dyn_kwargs):
