@@ -223,3 +223,20 @@ def test_varargs_are_named_as_jax_names_them(mesh4x2):
 
     with pytest.raises(jax.errors.TracerBoolConversionError, match=r"argument xs\[1\]"):
         mm.jit(h, mesh=mesh4x2)(jnp.ones(2), jnp.ones(2))
+
+
+def test_under_disable_jit_compiled_still_checks_its_arguments(mesh4x2):
+    c = mm.jit(lambda a, b: two_stage(a, 2.0) + b, mesh=mesh4x2).lower(jnp.ones(2), 1.0).compile()
+    with jax.disable_jit():
+        with pytest.raises(TypeError, match="different structure"):
+            c(jnp.ones(2))
+        with pytest.raises(TypeError, match="compiled with float32\\[2\\] and called with"):
+            c(jnp.ones(3), 1.0)
+
+
+def test_the_users_own_error_messages_are_left_alone(mesh4x2):
+    def f(a):
+        raise ValueError("leaves[0] and flat_fun are my words")
+
+    with pytest.raises(ValueError, match=r"^leaves\[0\] and flat_fun are my words"):
+        mm.jit(f, mesh=mesh4x2)(jnp.ones(2))

@@ -183,6 +183,20 @@ def use_abstract_mesh(mesh: jax.sharding.AbstractMesh) -> Iterator[None]:
         abs_cfg.set_local(prev)
 
 
+@contextlib.contextmanager
+def mesh_context(mesh: jax.sharding.Mesh) -> Iterator[None]:
+    """``jax.set_mesh(mesh)``'s context, also while tracing (which ``set_mesh`` refuses):
+    ``mm.jit`` under ``jax.disable_jit()`` and ``jax.grad`` runs the function there."""
+    dev_cfg, abs_cfg, _ = _mesh_configs()
+    prev_abs = abs_cfg.swap_local(mesh.abstract_mesh)
+    prev_dev = dev_cfg.swap_local(mesh)
+    try:
+        yield
+    finally:
+        dev_cfg.set_local(prev_dev)
+        abs_cfg.set_local(prev_abs)
+
+
 def set_mesh(mesh: jax.sharding.Mesh) -> Any:
     """Context manager making ``mesh`` the current JAX mesh (concrete and abstract)."""
     return jax.set_mesh(mesh)
@@ -663,6 +677,11 @@ def psum_over_replicas(jaxpr: Any, axis: str, size: int) -> Any:
     if not changed:
         return jaxpr
     return jaxpr.replace(eqns=eqns)
+
+
+def is_tracer(x: Any) -> bool:
+    """``x`` is a value being traced (by jit, grad, scan, ...), not a concrete one."""
+    return isinstance(x, _core.Tracer)
 
 
 def tracing() -> bool:

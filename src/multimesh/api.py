@@ -260,7 +260,8 @@ class MpmdFunction:
         if not e.args or not isinstance(e.args[0], str) or str(e) != e.args[0]:
             return
         text = e.args[0]
-        if "flat_fun" not in text and "leaves[" not in text:
+        # only JAX's own messages about our flat function (not the user's exceptions)
+        if not isinstance(e, OverflowError) and f"flat_fun at {__file__}" not in text:
             return
         names = self._signature.leaf_names(call)
         text = re.sub(
@@ -414,7 +415,7 @@ class MpmdFunction:
         # under jax.grad / vmap (which disable_jit leaves tracing): JAX refuses set_mesh
         tok = set_active(mmesh)
         try:
-            with _compat.use_abstract_mesh(mmesh.mesh.abstract_mesh):
+            with _compat.mesh_context(mmesh.mesh):
                 return self.fun(*args, **kwargs)
         finally:
             reset_active(tok)

@@ -192,10 +192,11 @@ def microbatch(
                 return out
             return out, None
 
-        # non-batch arguments made of arrays (parameters, a Flax NNX module) are passed
-        # to the traced function rather than closed over: NNX refuses graph nodes from
-        # another trace level, and closure constants would be the same values anyway
-        carried = tuple(i for i, a in enumerate(args) if i not in specs and _arrays_only(a))
+        # non-batch arguments made of traced values (parameters, a Flax NNX module under
+        # jit) are passed to the traced function rather than closed over: NNX refuses
+        # graph nodes from another trace level. Concrete values stay closed over, so
+        # Python code may still read them (int(n), if flag: ...)
+        carried = tuple(i for i, a in enumerate(args) if i not in specs and _traced_only(a))
         state = trace_state()
         with stage_limit(sched):
             if state is not None:
@@ -347,9 +348,10 @@ def _stack(trees: list[Any]) -> Any:
     )
 
 
-def _arrays_only(tree: Any) -> bool:
+def _traced_only(tree: Any) -> bool:
+    """Every leaf is a value being traced (so nothing can read it in Python anyway)."""
     leaves = jax.tree_util.tree_leaves(tree)
-    return bool(leaves) and all(isinstance(x, (jax.Array, np.ndarray)) for x in leaves)
+    return bool(leaves) and all(_compat.is_tracer(x) for x in leaves)
 
 
 def _scan_reference(call, vals, M, reduce):

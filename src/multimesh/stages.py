@@ -357,10 +357,7 @@ class Compiled(_ArgsInfo):
 
     @_compat.api_boundary
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _compat.jit_disabled():  # plain Python, as the mm.jit function would run
-            full, kw = self._call.rebuild(args, kwargs)
-            return self._fn._run_eagerly(full, kw)
-        if _compat.tracing():
+        if _compat.tracing() and not _compat.jit_disabled():
             raise traced_error()
         flat, tree = jax.tree_util.tree_flatten((args, kwargs))
         if tree != self.in_tree:
@@ -413,6 +410,9 @@ class Compiled(_ArgsInfo):
                     f"was compiled for it at {placement_text(homes[i])}; move it (jax.device_put) or compile for this "
                     "placement (calling the mm.jit function does that)."
                 )
+        if _compat.jit_disabled():  # checked as above, then plain Python, as the function
+            full, kw = self._call.rebuild(args, kwargs)
+            return self._fn._run_eagerly(full, kw)
         return self.call_flat(flat)
 
     def call_flat(self, flat: Sequence[Any]) -> Any:
@@ -463,6 +463,10 @@ class Compiled(_ArgsInfo):
                 ) from None
             dargs, dkw = jax.tree_util.tree_unflatten(self.in_tree, list(flat))
             args, kwargs = self._call.rebuild(dargs, dkw)
+            print(  # as jax.jit says it
+                f"Invalid {e.ty} value encountered in the output of {name}. Calling the "
+                "de-optimized version."
+            )
             try:
                 with jax.disable_jit():
                     self._fn._run_eagerly(args, kwargs)
