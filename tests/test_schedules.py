@@ -83,6 +83,12 @@ def test_plot_and_trace(tmp_path):
     assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 4 * 8 * 3
 
 
+@pytest.mark.parametrize("bad", [(-1, 0, "F"), (0, -2, "F")])
+def test_custom_rejects_negative_stages_and_microbatches(bad):
+    with pytest.raises(ValueError, match="has a negative .* count from 0"):
+        S.Custom([[bad]])
+
+
 @pytest.mark.parametrize("bad", [(0.5, 0, "F"), ("0", 0, "F"), (0, 1.0, "F"), (True, 0, "F")])
 def test_custom_rejects_non_integer_actions(bad):
     with pytest.raises(ValueError, match="is not an int"):

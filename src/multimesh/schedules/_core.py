@@ -121,6 +121,11 @@ def as_action(a: Any, submesh: int, step: int) -> Action:
         raise ValueError(
             f"schedule step {step} on submesh {submesh}: phase {p!r} is not one of {PHASES}."
         )
+    if st < 0 or k < 0:
+        raise ValueError(
+            f"schedule step {step} on submesh {submesh}: {a!r} has a negative "
+            f"{'stage' if st < 0 else 'microbatch'}; stages and microbatches count from 0."
+        )
     return Action(int(st), int(k), str(p))
 
 

@@ -158,7 +158,9 @@ def simulate(
     comm_cost: float = 0.0,
     num_chunks: int | None = None,
 ) -> Timeline:
-    """Simulate ``schedule`` on ``num_stages`` submeshes with ``num_microbatches``.
+    """Simulate ``schedule`` on ``num_stages`` submeshes with ``num_microbatches``
+    (``num_stages`` counts submeshes: an interleaved schedule runs ``num_chunks`` task
+    stages on each).
 
     Each action takes its phase's cost. For split backwards (zero-bubble), without
     ``weight_cost`` the ``backward_cost`` is shared half and half between B and W; with
