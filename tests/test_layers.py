@@ -45,6 +45,19 @@ def sgd_step(loss, m=None, schedule="1f1b"):
     return step
 
 
+def train_both(f, step, mmesh, state, x, y, steps):
+    """``steps`` steps of ``f`` (mm.jit) and of ``step`` under plain jax.jit on the global
+    mesh, each fed back its own outputs; losses compared every step. Returns both
+    final states."""
+    ms, rs = state, state
+    for _ in range(steps):
+        ms, ml = f(ms, x, y)
+        with mmesh:
+            rs, rl = jax.jit(step)(rs, x, y)
+        assert_close(ml, rl, rtol=1e-5)
+    return ms, rs
+
+
 def assert_stage_sharded(a, mmesh):
     assert a.sharding.is_equivalent_to(NamedSharding(mmesh.mesh, P("stage")), a.ndim)
 
@@ -57,12 +70,7 @@ def test_scanned_layers_on_four_stages(explicit, mesh4x2):
     f = mm.jit(step, mesh=mesh4x2, task_rules=rules)
     plan = f.lower(ws, x, y).plan
     assert sorted({fr.stage for fr in plan.fragments}) == [0, 1, 2, 3]
-    mw, rw = ws, ws
-    for _ in range(3):
-        mw, ml = f(mw, x, y)
-        with mesh4x2:
-            rw, rl = jax.jit(step)(rw, x, y)
-        assert_close(ml, rl, rtol=1e-5)
+    mw, rw = train_both(f, step, mesh4x2, ws, x, y, 3)
     assert_close(mw, rw, rtol=1e-5, atol=1e-6)
     # the stacked parameters live on their stages: 2 layers per stage, in place
     assert_stage_sharded(mw, mesh4x2)
@@ -86,12 +94,7 @@ def test_scanned_layers_on_a_stage_only_mesh(m):
     ws, x, y = data()
     step = sgd_step(scanned, m)
     f = mm.jit(step, mesh=mmesh)
-    mw, rw = ws, ws
-    for _ in range(2):
-        mw, ml = f(mw, x, y)
-        with mmesh:
-            rw, rl = jax.jit(step)(rw, x, y)
-        assert_close(ml, rl, rtol=1e-5)
+    mw, rw = train_both(f, step, mmesh, ws, x, y, 2)
     assert_close(mw, rw, rtol=1e-5, atol=1e-6)
     assert_stage_sharded(mw, mmesh)
 
@@ -111,12 +114,7 @@ def test_scanned_layers_with_microbatches_and_adam(schedule, mesh4x2):
         return (optax.apply_updates(w, u), o), val
 
     f = mm.jit(step, mesh=mesh4x2)
-    ms, rs = (ws, opt.init(ws)), (ws, opt.init(ws))
-    for _ in range(2):
-        ms, ml = f(ms, x, y)
-        with mesh4x2:
-            rs, rl = jax.jit(step)(rs, x, y)
-        assert_close(ml, rl, rtol=1e-5)
+    ms, rs = train_both(f, step, mesh4x2, (ws, opt.init(ws)), x, y, 2)
     assert_close(ms, rs, rtol=1e-5, atol=1e-6)
     assert_stage_sharded(ms[0], mesh4x2)
     assert_stage_sharded(ms[1][0].mu, mesh4x2)  # optimizer state too

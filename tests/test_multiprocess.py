@@ -177,27 +177,26 @@ def test_rank_leaving_a_training_loop_stops_the_job(tmp_path):
     """Rank 1 calls sys.exit in the middle of a training loop (same program: no plan to
     compare) while rank 0's next step waits for its data: rank 0's wait is watched, it
     names process 1 and stops within seconds (it waited forever)."""
-    t0 = time.monotonic()
-    proc = launch(2, 4, str(tmp_path / "r.npz"), "exit-mid", timeout=240)
-    elapsed = time.monotonic() - t0
-    text = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert "process 1 exited" in text, output_tail(proc)
-    assert elapsed < 90, f"the job took {elapsed:.0f} s to stop"
+    assert_stops_naming_rank_1(tmp_path, "exit-mid")
 
 
 def test_rank_exiting_early_stops_the_job_quickly(tmp_path):
     """A rank that calls sys.exit(3) after its first call (exit handlers run; no exception
     hook) while rank 0 waits for its next plan: rank 0 says that process 1 exited, and the
     launcher stops the job. Bytes that are not UTF-8 in a rank's output are shown escaped."""
+    proc = assert_stops_naming_rank_1(tmp_path, "exit")
+    assert "[rank 1] \\xff not utf-8" in proc.stdout + proc.stderr, output_tail(proc)
+
+
+def assert_stops_naming_rank_1(tmp_path, mode):
+    """Run ``mode`` on 2 processes: it must fail, say process 1 exited, within 90 s."""
     t0 = time.monotonic()
-    proc = launch(2, 4, str(tmp_path / "r.npz"), "exit", timeout=240)
+    proc = launch(2, 4, str(tmp_path / "r.npz"), mode, timeout=240)
     elapsed = time.monotonic() - t0
-    text = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "process 1 exited" in text, output_tail(proc)
-    assert "[rank 1] \\xff not utf-8" in text, output_tail(proc)
+    assert "process 1 exited" in proc.stdout + proc.stderr, output_tail(proc)
     assert elapsed < 90, f"the job took {elapsed:.0f} s to stop"
+    return proc
 
 
 def _alive(token: str) -> list[int]:

@@ -489,10 +489,15 @@ def check_no_stage_axis(s: Any, stage_axis: str | None, what: str) -> None:
         raise ValueError(
             f"{what}: {s} names the stage axis {stage_axis!r}. A value lives on one submesh "
             f"(or is replicated over several); drop {stage_axis!r} from the spec, e.g. "
-            f"{PartitionSpec(*[_drop(e, stage_axis) for e in spec])}. (Stacked layers placed "
+            f"{drop_axis(spec, stage_axis)}. (Stacked layers placed "
             f"by mm.by_layer come back split over {stage_axis!r} by themselves, and such an "
             "array is taken as it is: give None for it.)"
         )
+
+
+def drop_axis(spec: PartitionSpec, axis: str) -> PartitionSpec:
+    """``spec`` with ``axis`` left out of every entry."""
+    return PartitionSpec(*[_drop(e, axis) for e in spec])
 
 
 def _drop(entry: Any, axis: str) -> Any:

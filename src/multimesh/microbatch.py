@@ -207,9 +207,9 @@ def microbatch(
                 # traced once, like the reference scan's body: every microbatch calls the
                 # same jitted function, a cache hit after the first (the compiler inlines
                 # each call in its microbatch scope), so tracing does not grow with M
-                batch = tuple(sorted(specs)) + carried
+                passed = tuple(sorted(specs)) + carried  # the batch, then carried values
                 traced_once = jax.jit(
-                    _named_like(fun, batch, lambda *bp: call(_with_batch(pieces[0], batch, bp)))
+                    _named_like(fun, passed, lambda *a: call(_with_batch(pieces[0], passed, a)))
                 )
                 acc: Any = None
                 per_mb: list[tuple[Any, Any]] = []
@@ -217,7 +217,7 @@ def microbatch(
                 for k in range(M):
                     scope = microbatch_scope(loop, k)
                     with jax.named_scope(scope):
-                        out, aux = traced_once(*(pieces[k][i] for i in batch))
+                        out, aux = traced_once(*(pieces[k][i] for i in passed))
                         if red is None:
                             red = _reduce_tree(reduce, out)
                         summed = jax.tree.map(lambda r, o: None if r == "stack" else o, red, out)
@@ -258,13 +258,13 @@ def microbatch(
     return wrapped
 
 
-def _named_like(fun: Callable[..., Any], batch: tuple[int, ...], f: Callable[..., Any]):
-    """``f`` (called with the batch arguments, positions ``batch``) dressed as ``fun`` for
-    JAX's tracing errors: ``fun``'s name and source line, the arguments' own names."""
+def _named_like(fun: Callable[..., Any], passed: tuple[int, ...], f: Callable[..., Any]):
+    """``f`` (called with ``fun``'s arguments at positions ``passed``) dressed as ``fun``
+    for JAX's tracing errors: ``fun``'s name and source line, the arguments' own names."""
     try:
         params = list(inspect.signature(fun).parameters.values())
-        names = [params[i].name for i in batch]
-        kinds = [params[i].kind for i in batch]
+        names = [params[i].name for i in passed]
+        kinds = [params[i].kind for i in passed]
     except (TypeError, ValueError, IndexError):
         return f
     if any(k not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
@@ -278,10 +278,10 @@ def _named_like(fun: Callable[..., Any], batch: tuple[int, ...], f: Callable[...
     return f
 
 
-def _with_batch(k_args: tuple[Any, ...], batch: tuple[int, ...], bp: tuple[Any, ...]):
-    """``k_args`` with the batch arguments (positions ``batch``) replaced by ``bp``."""
+def _with_batch(k_args: tuple[Any, ...], at: tuple[int, ...], vals: tuple[Any, ...]):
+    """``k_args`` with the arguments at positions ``at`` replaced by ``vals``."""
     out = list(k_args)
-    for i, p in zip(batch, bp):
+    for i, p in zip(at, vals):
         out[i] = p
     return tuple(out)
 

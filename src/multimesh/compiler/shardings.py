@@ -15,9 +15,10 @@ from typing import Any
 
 from jax.extend import core as jcore
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec as P
 
 from multimesh import _compat
-from multimesh.arguments import spec_axes
+from multimesh.arguments import drop_axis, spec_axes
 
 _compat.register_exclusion(__file__)
 
@@ -233,19 +234,6 @@ def rewrite_jaxpr(jaxpr: Any, ctx: Ctx) -> Any:
     return jaxpr.replace(constvars=constvars, invars=invars, eqns=eqns, outvars=outvars)
 
 
-def _drop_axis(spec: PartitionSpec, axis: str) -> tuple[PartitionSpec, int | None]:
-    """``spec`` without ``axis``, and the dimension it split (``None``: not named)."""
-    entries, dim = [], None
-    for d, e in enumerate(spec):
-        if e == axis:
-            e, dim = None, d
-        elif isinstance(e, tuple) and axis in e:
-            kept = tuple(a for a in e if a != axis)
-            e, dim = (kept if len(kept) > 1 else (kept[0] if kept else None)), d
-        entries.append(e)
-    return PartitionSpec(*entries), dim
-
-
 def stage_free_residuals(prog: Any, stage_axis: str, num_stages: int) -> Any:
     """Residuals of ``shard_map(check_vma=False)`` without the stage axis.
 
@@ -285,10 +273,11 @@ def stage_free_residuals(prog: Any, stage_axis: str, num_stages: int) -> Any:
                 for j, pos in users[v]
             ):
                 continue
-            new_spec, dim = _drop_axis(spec, stage_axis)
+            dim = next(d for d, e in enumerate(spec) if stage_axis in spec_axes(P(e)))
             shape = list(v.aval.shape)
-            if dim is None or shape[dim] % num_stages:
+            if shape[dim] % num_stages:
                 continue
+            new_spec = drop_axis(spec, stage_axis)
             shape[dim] //= num_stages
             nv = _compat.Var(v.aval.update(shape=tuple(shape)))
             cur = eqns[i]
@@ -306,6 +295,5 @@ def stage_free_residuals(prog: Any, stage_axis: str, num_stages: int) -> Any:
                 invars = list(u.invars)
                 invars[pos] = nv
                 eqns[j] = u.replace(params={**u.params, "in_specs": tuple(in_specs)}, invars=invars)
-            users[nv] = users.pop(v)
             changed = True
     return dataclasses.replace(prog, eqns=eqns) if changed else prog
