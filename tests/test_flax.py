@@ -387,7 +387,8 @@ def test_nnx_create_stacked_layers_by_layer(mesh4x2):
 def test_nnx_module_as_a_non_batch_argument_of_microbatch(mesh4x2):
     """``mm.microbatch(nnx.value_and_grad(loss), M, argnums=(1, 2))(model, x, y)``: the
     module was closed over, and Flax refused its graph nodes from another trace level
-    (in the reference and under mm.jit); arguments made of arrays are now passed."""
+    (in the reference and under mm.jit); arguments made of arrays, and NNX modules also
+    when eager, are now passed."""
 
     class Two(nnx.Module):
         def __init__(self, rngs):
@@ -414,3 +415,4 @@ def test_nnx_module_as_a_non_batch_argument_of_microbatch(mesh4x2):
     got = mm.jit(step, mesh=mesh4x2)(model, x, y)
     assert_close(got, want, rtol=1e-5)
     assert_close(got, want_spmd, rtol=1e-5)
+    assert_close(step(model, x, y), want, rtol=1e-5)  # eager: the module was closed over

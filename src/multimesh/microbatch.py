@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -193,10 +194,11 @@ def microbatch(
             return out, None
 
         # non-batch arguments made of traced values (parameters, a Flax NNX module under
-        # jit) are passed to the traced function rather than closed over: NNX refuses
-        # graph nodes from another trace level. Concrete values stay closed over, so
-        # Python code may still read them (int(n), if flag: ...)
-        carried = tuple(i for i, a in enumerate(args) if i not in specs and _traced_only(a))
+        # jit) and Flax NNX modules (also eager ones) are passed to the traced function
+        # rather than closed over: NNX refuses graph nodes from another trace level. Other
+        # concrete values stay closed over, so Python code may still read them (int(n),
+        # if flag: ...)
+        carried = tuple(i for i, a in enumerate(args) if i not in specs and _carried(a))
         state = trace_state()
         with stage_limit(sched):
             if state is not None:
@@ -348,10 +350,21 @@ def _stack(trees: list[Any]) -> Any:
     )
 
 
-def _traced_only(tree: Any) -> bool:
-    """Every leaf is a value being traced (so nothing can read it in Python anyway)."""
+def _carried(tree: Any) -> bool:
+    """Passed through the microbatch loop, not closed over: every leaf is a value being
+    traced (so nothing can read it in Python anyway), or the argument is a Flax NNX
+    graph node (a module) made of arrays, which NNX refuses to close over."""
     leaves = jax.tree_util.tree_leaves(tree)
-    return bool(leaves) and all(_compat.is_tracer(x) for x in leaves)
+    if not leaves:
+        return False
+    if all(_compat.is_tracer(x) for x in leaves):
+        return True
+    nnx = sys.modules.get("flax.nnx")  # only loaded if the user uses NNX
+    return (
+        nnx is not None
+        and nnx.graph.is_graph_node(tree)
+        and all(isinstance(x, jax.Array) for x in leaves)
+    )
 
 
 def _scan_reference(call, vals, M, reduce):
