@@ -64,6 +64,30 @@ def test_stage_task_under_mm_jit_without_mesh_is_an_error():
         mm.jit(model)(W, X)
 
 
+def test_virtual_stages_transparent_under_an_active_multimesh(mesh4x2):
+    """An interleaved model (virtual stages 0..7 on 4 submeshes) evaluated outside its
+    microbatch loop under `with mmesh:`: eagerly and under jax.jit (was "out of range");
+    under mm.jit outside an interleaved loop it stays a clear error."""
+
+    def deep(w, x):
+        for i in range(8):
+            with mm.task(f"v{i}", stage=i):
+                x = jnp.tanh(x @ w)
+        return jnp.mean(x**2)
+
+    def deep_plain(w, x):
+        for _ in range(8):
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x**2)
+
+    want = jax.value_and_grad(deep_plain)(W, X)
+    with mesh4x2:
+        assert_close(deep(W, X), want[0])
+        assert_close(jax.jit(jax.value_and_grad(deep))(W, X), want)
+    with pytest.raises(ValueError, match=r"task 'v4': stage=4 is out of range"):
+        mm.jit(deep, mesh=mesh4x2)(W, X)
+
+
 def test_out_of_range_stage_from_cached_trace(mesh4x2):
     @jax.jit
     def inner(x):

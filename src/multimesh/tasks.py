@@ -227,11 +227,13 @@ def resolve(name: str, stage: Any, mesh: Any) -> tuple[str, Mesh | None]:
                 "mesh=mmesh to mm.jit, or call it inside `with mmesh:`."
             )
         return f"{name}{MARKER}s{stage}", None  # transparent: a named scope only
-    limit = mmesh.num_stages
-    sched = _VIRTUAL.get()
-    if sched is not None:
-        limit = mmesh.num_stages * sched.chunks(mmesh.num_stages, 1 << 30)
-    check_stage_range(name, stage, mmesh.num_stages, limit)
+    if state is not None:  # outside mm.jit a task is transparent: virtual stage i is on
+        # submesh i % num_stages (an interleaved model's evaluation under `with mmesh:`)
+        limit = mmesh.num_stages
+        sched = _VIRTUAL.get()
+        if sched is not None:
+            limit = mmesh.num_stages * sched.chunks(mmesh.num_stages, 1 << 30)
+        check_stage_range(name, stage, mmesh.num_stages, limit)
     return f"{name}{MARKER}s{stage}", mmesh.submesh(stage % mmesh.num_stages)
 
 
