@@ -3,7 +3,9 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+import pytest
 from conftest import assert_close, reference, stage_of
 from flax import nnx
 
@@ -140,6 +142,34 @@ def test_nnx_dropout_rng_streams_match_plain_flax(mesh4x2):
         losses.append(float(ml))
     assert len(set(losses)) == 3  # a new dropout mask each step, as in plain Flax
     assert_close(ms, rs)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_nnx_dropout_advances_per_microbatch(mesh4x2, schedule):
+    """NNX state a microbatch changes (the shared Rngs' count of a dropout model) is given
+    to the next microbatch, as the reference scan's carry does: each microbatch draws its
+    own masks (every microbatch reused microbatch 0's)."""
+    model = Model(4, 8, nnx.Rngs(params=0, dropout=1), dropout=0.3)
+    graphdef, state = nnx.split(model)
+
+    def step(state, x):
+        m = nnx.merge(graphdef, state)
+        lf = mm.microbatch(
+            nnx.value_and_grad(lambda m, x: (m(x) ** 2).mean()),
+            4,
+            argnums=1,
+            schedule=schedule,
+            reduce=("stack", "sum"),
+        )
+        return lf(m, x)
+
+    x = jax.random.normal(jax.random.key(1), (8, 8))
+    got = mm.jit(step, mesh=mesh4x2)(state, x)
+    want = jax.jit(step)(state, x)
+    assert_close(got, want, rtol=1e-5)
+    assert len(set(np.asarray(got[0]).tolist())) == 4  # a mask per microbatch
+    ones = jnp.ones((8, 8))  # equal microbatches: equal losses only if masks were reused
+    assert len(set(np.asarray(mm.jit(step, mesh=mesh4x2)(state, ones)[0]).tolist())) == 4
 
 
 def test_linen_logical_sharding_resolves_on_the_submesh(mesh222):

@@ -210,16 +210,43 @@ def microbatch(
                 # same jitted function, a cache hit after the first (the compiler inlines
                 # each call in its microbatch scope), so tracing does not grow with M
                 passed = tuple(sorted(specs)) + carried  # the batch, then carried values
-                traced_once = jax.jit(
-                    _named_like(fun, passed, lambda *a: call(_with_batch(pieces[0], passed, a)))
-                )
+                nb = len(passed) - len(carried)
+                # state ``fun`` changes in its carried arguments (an NNX module's RNG
+                # counts, as the reference scan's carry): returned, and given to the next
+                # microbatch. Which leaves change is found when tracing (once)
+                changed: list[list[int]] = []
+
+                def body(*a: Any) -> Any:
+                    before = [jax.tree_util.tree_leaves(v) for v in a[nb:]]
+                    res = call(_with_batch(pieces[0], passed, a))
+                    after = [jax.tree_util.tree_leaves(v) for v in a[nb:]]
+                    if any(len(x) != len(y) for x, y in zip(before, after)):
+                        raise ValueError(
+                            "microbatch: fun changed the structure of a non-batch argument "
+                            "(added or removed state); only the values of its state may "
+                            "change from one microbatch to the next."
+                        )
+                    changed[:] = [
+                        [j for j, (x, y) in enumerate(zip(xs, ys)) if x is not y]
+                        for xs, ys in zip(before, after)
+                    ]
+                    return res, [[ys[j] for j in c] for ys, c in zip(after, changed)]
+
+                traced_once = jax.jit(_named_like(fun, passed, body))
+                state_now = [args[i] for i in carried]
                 acc: Any = None
                 per_mb: list[tuple[Any, Any]] = []
                 red = None
                 for k in range(M):
                     scope = microbatch_scope(loop, k)
                     with jax.named_scope(scope):
-                        out, aux = traced_once(*(pieces[k][i] for i in passed))
+                        (out, aux), new = traced_once(
+                            *(pieces[k][i] for i in passed[:nb]), *state_now
+                        )
+                        state_now = [
+                            _replaced(v, c, n) if c else v
+                            for v, c, n in zip(state_now, changed, new)
+                        ]
                         if red is None:
                             red = _reduce_tree(reduce, out)
                         summed = jax.tree.map(lambda r, o: None if r == "stack" else o, red, out)
@@ -340,6 +367,14 @@ def _zeros(x: Any) -> Any:
     shape = jnp.shape(x)
     # through a reshape: a scalar zero would otherwise be a literal inside the consumer
     return jnp.zeros((1, *shape), jnp.result_type(x)).reshape(shape)
+
+
+def _replaced(tree: Any, at: list[int], vals: list[Any]) -> Any:
+    """``tree`` with its leaves at positions ``at`` replaced by ``vals``."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    for j, v in zip(at, vals):
+        leaves[j] = v
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _stack(trees: list[Any]) -> Any:
