@@ -476,6 +476,28 @@ def test_microbatch_integer_argument_gradients(mesh4x2, reduce):
         assert_close(want[0], whole[0] * scale, rtol=1e-5)
 
 
+def test_microbatch_gradient_of_integer_batch(mesh4x2):
+    """The float0 gradient of an integer batch argument (token ids) is a host value JAX
+    makes: kept between calls and returned as is (crashed on the first call)."""
+
+    def loss(w, toks):
+        with mm.task("a", stage=0):
+            h = w[toks]
+        with mm.task("b", stage=1):
+            return jnp.mean(h**2)
+
+    w = jnp.arange(64.0).reshape(16, 4) / 64
+    toks = jnp.arange(8) % 16
+    mg = mm.microbatch(jax.grad(loss, argnums=(0, 1), allow_int=True), 2, argnums=1)
+    want = jax.jit(mg)(w, toks)
+    f = mm.jit(mg, mesh=mesh4x2)
+    for _ in range(2):
+        got = f(w, toks)
+        assert got[1].dtype == want[1].dtype == jax.dtypes.float0
+        assert got[1].shape == want[1].shape
+        assert_close(got[0], want[0], rtol=1e-6)
+
+
 def test_custom_order_validated_like_mm_jit():
     # B1 before B0 on a stage: gradients accumulate in microbatch order under mm.jit
     bad = [

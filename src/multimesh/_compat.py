@@ -544,16 +544,21 @@ def addressable_device_ids(sharding: jax.sharding.Sharding) -> list[int]:
 
 
 def fresh_copy(xs: Sequence[jax.Array]) -> list[jax.Array]:
-    """New buffers with the same contents, shardings and weak types."""
+    """New buffers with the same contents, shardings and weak types (a float0 value, a
+    host array JAX makes for an integer's gradient, holds no data: kept)."""
     out = list(xs)
-    plain = [k for k, x in enumerate(xs) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)]
+    plain = [
+        k
+        for k, x in enumerate(xs)
+        if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+    ]
     if plain:
         for k, c in zip(
             plain, same_layout_copy([xs[k] for k in plain], [xs[k].sharding for k in plain])
         ):
             out[k] = c
     for k, x in enumerate(xs):
-        if out[k] is x:  # PRNG keys: no shard-wise copy of extended dtypes
+        if out[k] is x and isinstance(x, jax.Array):  # PRNG keys: no shard-wise copy
             out[k] = jax.device_put(x, x.sharding, may_alias=False)
     return out
 

@@ -465,6 +465,13 @@ class Executable:
         )
         return hit
 
+    def _keep(self, template: list[Any], sid: int, val: Any, sh: Any) -> None:
+        """Put a constant kept between calls (put again if deleted; a float0 zero, e.g. an
+        integer argument's gradient, stays a host value JAX cannot delete)."""
+        template[sid] = x = jax.device_put(val, sh)
+        if isinstance(x, jax.Array):
+            self._kept.append((sid, val, sh))
+
     def _input_step(
         self,
         st,
@@ -496,16 +503,14 @@ class Executable:
                 sh = NamedSharding(mesh, PartitionSpec())
                 slot_sh[sid] = sh
                 if self._loc is None or self._loc.has(mesh.devices.flat):
-                    template[sid] = jax.device_put(val, sh)
-                    self._kept.append((sid, val, sh))
+                    self._keep(template, sid, val, sh)
                 continue
             a, cut = ip.arg, None
             local = self._loc is None or self._loc.has(mesh.devices.flat)
             if ip.mode == "host_const":  # a small constant made on the host: put once
                 sh = slot_sh[sid] = NamedSharding(mesh, PartitionSpec())
                 if local:  # never donated (too small), so every call can use it
-                    template[sid] = jax.device_put(pieces[a].value, sh)
-                    self._kept.append((sid, pieces[a].value, sh))
+                    self._keep(template, sid, pieces[a].value, sh)
                 continue
             if ip.mode == "as_is":
                 sh = sample_args[a].sharding
