@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 from conftest import assert_close, mlp_loss, reference, stage_of
 
 import multimesh as mm
@@ -343,6 +344,30 @@ def test_in_shardings(mesh4x2):
     got = f(x, x)
     np.testing.assert_allclose(np.asarray(got), np.arange(8.0) * 3)
     assert any(p.mode == "put" and p.arg == 0 and p.stage == 0 for p in plan.inputs)
+
+
+def test_in_shardings_on_a_submesh_place_the_argument_there(mesh4x2):
+    """A NamedSharding on one submesh puts a host argument there: untagged work on it
+    runs next to it (it was refused, or ignored once an array committed elsewhere had
+    been seen); a committed array with another sharding is an error, as with jax.jit."""
+    on2 = NamedSharding(mesh4x2.submesh(2), jax.P("data"))
+    f = mm.jit(lambda a: a * 2, mesh=mesh4x2, in_shardings=on2)
+    x = jnp.arange(8.0)
+    got = f(x)
+    assert_close(got, x * 2)
+    assert got.sharding.device_set == on2.device_set
+    assert [(p.stage, p.mode) for p in f.lower(x).plan.inputs] == [(2, "put")]
+    elsewhere = jax.device_put(x, NamedSharding(mesh4x2.submesh(0), jax.P()))
+    with pytest.raises(ValueError, match=r"in_shardings for argument a: .*devices \[4, 5\]\) "
+                       r"does not match .*devices \[0, 1\]"):
+        f(elsewhere)
+    with pytest.raises(ValueError, match="does not match"):
+        f.lower(elsewhere)
+    assert_close(f(jax.device_put(x, on2)), x * 2)
+    assert_close(f(x), x * 2)  # unchanged by the calls before
+    # used by a task on another stage: put there, then moved
+    g = mm.jit(two_stage, mesh=mesh4x2, in_shardings=(on2, None))
+    assert_close(g(x, x), reference(two_stage, mesh4x2, x, x))
 
 
 def _mb_grad(num_microbatches, **kw):

@@ -247,9 +247,12 @@ def test_shardings_on_reordered_or_foreign_devices(mesh4x2):
     assert_close(got, want)
     assert got.sharding == rev1
     assert_close(f(jax.device_put(W, rev0), X), want)
-    other = NamedSharding(jax.sharding.Mesh(np.array([d[6], d[7]]), ("data",)), P("data"))
+    other = NamedSharding(jax.sharding.Mesh(np.array([d[0], d[7]]), ("data",)), P("data"))
     with pytest.raises(ValueError, match=r"argument w: .* is not on the submesh that uses it"):
         mm.jit(two_stage, mesh=mesh4x2, in_shardings=(other, None))(W, X)
+    # exactly another submesh: the value is put there (as jax.jit would), then moved
+    on3 = NamedSharding(mesh4x2.submesh(3), P("data"))
+    assert_close(mm.jit(two_stage, mesh=mesh4x2, in_shardings=(on3, None))(W, X), want)
     with pytest.raises(ValueError, match=r"argument w: .* has 3 entries, but that argument has"):
         mm.jit(two_stage, mesh=mesh4x2, in_shardings=(P(None, None, "data"), None))(W, X)
     with pytest.raises(ValueError, match=r"positional arguments only .*\['x'\]"):

@@ -47,6 +47,7 @@ from multimesh.compiler.ir import FlatProgram, Labels
 from multimesh.compiler.rules import Rules
 from multimesh.mesh import MultiMesh, active_multimesh, reset_active, set_active
 from multimesh.runtime import compiling
+from multimesh.runtime.inputs import committed_sharding
 from multimesh.stages import Compiled, Lowered, Traced, TracedCall
 from multimesh.tasks import TraceState, trace_state, tracing
 
@@ -339,6 +340,43 @@ class MpmdFunction:
             return pick
 
         return [chooser(s, n) for s, n in zip(leaves, names)]
+
+    def _pinned(self, labels: Labels, call: Call, flat: list[Any]) -> list[int | None]:
+        """Per flat leaf: the submesh its ``in_shardings`` entry names (a NamedSharding on
+        exactly one plan submesh's devices), or None. A host value is put there (and
+        moved to the stages that use it); a committed array must already have that
+        sharding, as ``jax.jit`` requires."""
+        if self._in_shardings is None:
+            return [None] * len(flat)
+        names = self._signature.leaf_names(call)
+        leaves = in_sharding_leaves(self._in_shardings, call, names)
+        by_devs = {t.device_ids: t.index for t in labels.targets}
+        out: list[int | None] = []
+        for name, s, x in zip(names, leaves, flat):
+            pin = (
+                by_devs.get(_compat.device_assignment_ids(s))
+                if isinstance(s, NamedSharding)
+                else None
+            )
+            out.append(pin)
+            have = committed_sharding(x)
+            if pin is None or have is None:
+                continue
+            ndim = len(getattr(x, "shape", ()))
+            if not (
+                _compat.device_assignment_ids(have) == _compat.device_assignment_ids(s)
+                and have.is_equivalent_to(s, ndim)
+            ):
+                raise ValueError(
+                    f"in_shardings for argument {name}: {s} (devices "
+                    f"{list(_compat.device_assignment_ids(s))}) does not match the sharding "
+                    f"of the argument, {have} (devices "
+                    f"{list(_compat.device_assignment_ids(have))}) (as with jax.jit, a "
+                    "committed array must have "
+                    "its in_shardings); jax.device_put it there first, or give a "
+                    "PartitionSpec (the submesh that uses it)."
+                )
+        return out
 
     # -- entry points -----------------------------------------------------------------
 
