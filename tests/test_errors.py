@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import reference
+from conftest import assert_close, reference
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -142,11 +142,38 @@ def test_mesh_overlapping_a_stage(mesh4x2):
     odd = Mesh(np.array(jax.devices()[1:3]), ("d",), axis_types=(AxisType.Auto,))
 
     def f(x):
+        with mm.task("first", stage=0):
+            x = x * 3
         with mm.task("odd", mesh=odd):
             return x + 1
 
-    with pytest.raises(ValueError, match=r"task 'odd'.*overlaps"):
+    with pytest.raises(ValueError, match=r"task 'odd'.*overlaps the devices of 'stage0'"):
         run(f, mesh4x2, jnp.ones(4))
+
+
+def test_mesh_tasks_on_submeshes_no_stage_task_uses(mesh4x2):
+    """mesh= tasks on part of (or across) MultiMesh submeshes that no stage= task uses
+    run (every submesh reserved its devices, even unused ones); values and gradients as
+    under jax.jit."""
+    devs = np.array(jax.devices())
+    across = Mesh(devs[3:5], ("d",), axis_types=(AxisType.Auto,))  # stages 1 and 2
+    part = Mesh(devs[6:7], ("d",), axis_types=(AxisType.Auto,))  # half of stage 3
+
+    def f(w, x):
+        with mm.task("first", stage=0):
+            h = jnp.tanh(x @ w)
+        with mm.task("across", mesh=across):
+            h = jax.lax.with_sharding_constraint(h * 2, NamedSharding(across, jax.P("d")))
+        with mm.task("part", mesh=part):
+            return jnp.sum(h**2)
+
+    w = jnp.linspace(-1, 1, 16).reshape(4, 4)
+    x = jnp.linspace(0, 1, 32).reshape(8, 4)
+    g = jax.value_and_grad(f)
+    got = mm.jit(g, mesh=mesh4x2)(w, x)
+    assert_close(got, jax.jit(g)(w, x), rtol=1e-6)
+    plan = mm.jit(g, mesh=mesh4x2).lower(w, x).plan
+    assert {tuple(fr.devices) for fr in plan.fragments} == {(0, 1), (3, 4), (6,)}
 
 
 def test_foreign_devices():

@@ -104,9 +104,28 @@ def label(
             targets.append(Target(i, mmesh.submesh(i), f"stage{i}"))
     by_devs: dict[tuple[int, ...], int] = {t.device_ids: t.index for t in targets}
     owner: dict[int, tuple[int, str]] = {}  # device id -> (target, first task name)
-    for t in targets:
+    # the MultiMesh's submeshes that stage= tasks use reserve their devices; an unused
+    # one leaves them to mesh= tasks (on part of it, or across two)
+    by_layer = any(r is not None and r.mesh is None and r.stage is None for r in tasks)
+    used = {
+        r.stage % len(targets)
+        for r in tasks
+        if targets and r is not None and r.mesh is None and isinstance(r.stage, int)
+    }
+
+    def reserve(t: Target, name: str) -> None:
         for d in t.device_ids:
-            owner[d] = (t.index, t.name)
+            if d in owner and owner[d][0] != t.index:
+                raise ValueError(
+                    f"task {name!r}: its mesh (devices {list(t.device_ids)}) overlaps the "
+                    f"devices of {owner[d][1]!r} without being the same submesh; tasks must "
+                    "use disjoint device sets, or exactly the same devices in the same order."
+                )
+            owner[d] = (t.index, name)
+
+    for t in targets:
+        if by_layer or t.index in used:
+            reserve(t, t.name)
 
     def target_of(ref: TaskRef) -> int:
         if ref.mesh is None:
@@ -123,20 +142,12 @@ def label(
         mesh: Mesh = ref.mesh
         ids = tuple(int(d.id) for d in mesh.devices.flat)
         if ids in by_devs:
+            reserve(targets[by_devs[ids]], ref.name)
             return by_devs[ids]
-        for d in ids:
-            if d in owner:
-                _, other = owner[d]
-                raise ValueError(
-                    f"task {ref.name!r}: its mesh (devices {list(ids)}) overlaps the devices of "
-                    f"{other!r} without being the same submesh; tasks must use disjoint "
-                    "device sets, or exactly the same devices in the same order."
-                )
         idx = len(targets)
+        reserve(Target(idx, mesh, f"mesh{idx}"), ref.name)
         targets.append(Target(idx, mesh, f"mesh{idx}"))
         by_devs[ids] = idx
-        for d in ids:
-            owner[d] = (idx, ref.name)
         return idx
 
     stages: list[int | None] = []
