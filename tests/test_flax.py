@@ -446,3 +446,110 @@ def test_nnx_module_as_a_non_batch_argument_of_microbatch(mesh4x2):
     assert_close(got, want, rtol=1e-5)
     assert_close(got, want_spmd, rtol=1e-5)
     assert_close(step(model, x, y), want, rtol=1e-5)  # eager: the module was closed over
+
+
+def test_nnx_state_a_microbatch_loop_changes_stays_in_the_module(mesh4x2):
+    """After ``mm.microbatch`` the NNX module holds the state the loop left (BatchNorm
+    statistics, RNG counts), as after a Python loop over the microbatches: eagerly,
+    under jax.jit and under mm.jit (the state was dropped after the loop)."""
+    x = jnp.arange(8.0).reshape(4, 2) + 3
+    mk = lambda: nnx.BatchNorm(2, momentum=0.5, rngs=nnx.Rngs(0))  # noqa: E731
+    loss = lambda m, x: m(x).sum()  # noqa: E731
+    ref = mk()
+    for k in range(2):
+        loss(ref, x[2 * k : 2 * k + 2])
+    eager = mk()
+    mm.microbatch(loss, 2, argnums=1)(eager, x)
+    assert_close(eager.mean.get_value(), ref.mean.get_value())
+    assert_close(eager.var.get_value(), ref.var.get_value())
+    gd, st = nnx.split(mk())
+
+    def step(st, x):
+        m = nnx.merge(gd, st)
+        out = mm.microbatch(loss, 2, argnums=1)(m, x)
+        return out, nnx.state(m)
+
+    got = mm.jit(step, mesh=mesh4x2)(st, x)
+    assert_close(got, jax.jit(step)(st, x))
+    assert_close(got[1]["mean"].get_value(), ref.mean.get_value())
+
+
+def test_nnx_dropout_masks_change_from_step_to_step(mesh4x2):
+    """The RNG count a microbatched step advances comes back in the state: each training
+    step draws new masks (every step repeated the first step's)."""
+    model = Model(4, 8, nnx.Rngs(params=0, dropout=1), dropout=0.5)
+    gd, st = nnx.split(model)
+
+    def step(st, x):
+        m = nnx.merge(gd, st)
+        lf = mm.microbatch(lambda m, x: (m(x) ** 2).mean(), 2, argnums=1)
+        return lf(m, x), nnx.state(m)
+
+    x = jnp.ones((4, 8))
+    f, g = mm.jit(step, mesh=mesh4x2), jax.jit(step)
+    ms = rs = st
+    losses = []
+    for _ in range(3):
+        ml, ms = f(ms, x)
+        rl, rs = g(rs, x)
+        assert_close(ml, rl, rtol=1e-5)
+        losses.append(float(ml))
+    assert_close(ms, rs)
+    assert len(set(losses)) == 3
+
+
+def test_nnx_module_with_numpy_leaves_in_an_eager_microbatch():
+    """An NNX module whose variables hold NumPy arrays is carried too (Flax refused it
+    closed over: "Cannot mutate ... from a different trace level")."""
+    bn = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+    bn.mean.set_value(np.full((2,), 0.5, np.float32))
+    x = jnp.arange(8.0).reshape(4, 2)
+    got = mm.microbatch(lambda m, x: m(x).sum(), 2, argnums=1)(bn, x)
+    bn2 = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+    bn2.mean.set_value(np.full((2,), 0.5, np.float32))
+    want = jax.jit(mm.microbatch(lambda m, x: m(x).sum(), 2, argnums=1))(bn2, x)
+    assert_close(got, want)
+    ref = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+    ref.mean.set_value(np.full((2,), 0.5, np.float32))
+    for k in range(2):
+        ref(x[2 * k : 2 * k + 2])
+    assert_close(bn.mean.get_value(), ref.mean.get_value())  # updated after the loop
+
+
+def test_shared_rngs_over_interleaved_stages(mesh4x2):
+    """One Rngs shared by dropout on every virtual stage. Held by the dropout layers, its
+    count is advanced outside them and the interleaved pipeline matches jax.jit. Passed at
+    call time, the count is advanced inside each stage's task: microbatch k+1's first
+    stage needs the count microbatch k's last stage left, which interleaving runs later;
+    the deadlock error says so (it only blamed placement)."""
+    model = Model(8, 8, nnx.Rngs(params=0, dropout=1), dropout=0.3)
+    gd, st = nnx.split(model)
+
+    def step(st, x):
+        m = nnx.merge(gd, st)
+        lf = nnx.value_and_grad(lambda m, x: (m(x) ** 2).mean())
+        return mm.microbatch(lf, 4, argnums=1, schedule="interleaved-1f1b")(m, x)
+
+    x = jax.random.normal(jax.random.key(2), (8, 8))
+    assert_close(mm.jit(step, mesh=mesh4x2)(st, x), jax.jit(step)(st, x), rtol=1e-5)
+
+    class Block2(nnx.Module):
+        def __init__(self, i):
+            self.lin = nnx.Linear(8, 8, rngs=nnx.Rngs(i))
+
+        def __call__(self, x, rngs):
+            return nnx.Dropout(0.5)(self.lin(x), rngs=rngs)
+
+    class Model2(nnx.Module):
+        def __init__(self):
+            self.rngs = nnx.Rngs(dropout=7)
+            self.blocks = nnx.List([mm.flax.task(Block2(i), stage=i) for i in range(8)])
+
+        def __call__(self, x):
+            for b in self.blocks:
+                x = b(x, self.rngs)
+            return x
+
+    gd, st = nnx.split(Model2())
+    with pytest.raises(ValueError, match=r"deadlock.*state carried from one microbatch"):
+        mm.jit(step, mesh=mesh4x2)(st, x)

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from conftest import assert_close, mlp_loss, reference, stage_of
+from jax.sharding import NamedSharding
 
 import multimesh as mm
 from multimesh import _compat

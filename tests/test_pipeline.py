@@ -745,3 +745,38 @@ def test_untagged_join_after_a_later_stages_task(schedule):
     g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=(1, 2), schedule=schedule)
     got = mm.jit(g, mesh=mmesh)(p, x, y)
     assert_close(got, reference(g, mmesh, p, x, y), rtol=1e-5, atol=1e-6)
+
+
+def test_microbatch_state_in_keyword_and_closed_over_arguments(mesh4x2):
+    """State fun changes in a keyword argument goes on to the next microbatch like a
+    positional one (every microbatch saw the first state); changing in place an argument
+    that is closed over (it holds Python values) is a clear error, not the first state
+    again or JAX's leaked-tracer error; carried state keeps its shape and dtype."""
+
+    def mb(x, stats):
+        stats["m"] = stats["m"] + x.mean()
+        return stats["m"]
+
+    x = jnp.arange(8.0)
+    seq = np.cumsum(np.asarray(x).reshape(4, 2).mean(1))
+    by_kw = lambda x, s: mm.microbatch(mb, 4, reduce="stack")(x, stats=s)  # noqa: E731
+    by_pos = lambda x, s: mm.microbatch(mb, 4, reduce="stack")(x, s)  # noqa: E731
+    for f in (by_kw, by_pos):
+        assert_close(mm.jit(f, mesh=mesh4x2)(x, {"m": jnp.zeros(())}), seq)
+        assert_close(jax.jit(f)(x, {"m": jnp.zeros(())}), seq)
+
+    def mixed(x, m):
+        return mm.microbatch(mb, 4, reduce="stack")(x, {"m": m, "decay": 1.0})
+
+    for run in (mm.jit(mixed, mesh=mesh4x2), jax.jit(mixed)):
+        with pytest.raises(ValueError, match=r"mb changed argument 1 in place to traced"):
+            run(x, jnp.zeros(()))
+    with pytest.raises(ValueError, match=r"mb changed argument 1 in place"):
+        mm.microbatch(mb, 4)(x, {"m": jnp.zeros(())})  # eager: concrete, closed over
+
+    def grow(x, s):
+        s["h"] = jnp.concatenate([s["h"], x[:1]])
+        return x.sum()
+
+    with pytest.raises(TypeError, match=r"grow changed state .* from shape \(1,\)"):
+        mm.jit(lambda x, h: mm.microbatch(grow, 4)(x, {"h": h}), mesh=mesh4x2)(x, jnp.ones(1))

@@ -129,6 +129,7 @@ def microbatch(
             "give one per batch argument (or one for all)."
         )
     M = num_microbatches
+    fun_name = getattr(fun, "__name__", "fun")
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -182,8 +183,38 @@ def microbatch(
                 constrain(i, jax.tree.map(cut, a)) if i in specs else a for i, a in enumerate(args)
             )
 
-        def call(k_args: tuple[Any, ...]) -> tuple[Any, Any]:
-            out = fun(*k_args, **kwargs)
+        # non-batch arguments made of traced values (parameters, a Flax NNX module under
+        # jit) and Flax NNX modules (also eager ones), positional or keyword, are passed
+        # to the traced function rather than closed over: NNX refuses graph nodes from
+        # another trace level, and state fun changes in them goes on to the next
+        # microbatch (as the reference scan's carry). Other concrete values stay closed
+        # over, so Python code may still read them (int(n), if flag: ...)
+        carried_pos = tuple(i for i, a in enumerate(args) if i not in specs and _carried(a))
+        carried_kw = tuple(n for n, v in kwargs.items() if _carried(v))
+        closed = [
+            (f"argument {i}", a)
+            for i, a in enumerate(args)
+            if i not in specs and i not in carried_pos
+        ] + [(f"argument {n!r}", v) for n, v in kwargs.items() if n not in carried_kw]
+
+        def call(k_args: tuple[Any, ...], vals: tuple[Any, ...]) -> tuple[Any, Any]:
+            """``fun`` on microbatch arguments ``k_args`` and carried values ``vals``."""
+            k_args = _with_batch(k_args, carried_pos, vals[: len(carried_pos)])
+            kw = {**kwargs, **dict(zip(carried_kw, vals[len(carried_pos) :]))}
+            before = [jax.tree_util.tree_leaves(v) for _w, v in closed]
+            out = fun(*k_args, **kw)
+            for (what, v), old in zip(closed, before):
+                new = jax.tree_util.tree_leaves(v)
+                if len(new) != len(old) or any(
+                    x is not y and _compat.is_tracer(y) for x, y in zip(old, new)
+                ):
+                    raise ValueError(
+                        f"microbatch: {fun_name} changed {what} in place to traced values; "
+                        "that argument holds values not being traced (Python numbers, "
+                        "NumPy or concrete arrays), so it is closed over and its changes "
+                        "cannot go on to the next microbatch. Pass state that changes as "
+                        "arrays under jax.jit/mm.jit, or as an NNX module, or return it."
+                    )
             if has_aux:
                 if not (isinstance(out, tuple) and len(out) == 2):
                     raise ValueError(
@@ -193,12 +224,7 @@ def microbatch(
                 return out
             return out, None
 
-        # non-batch arguments made of traced values (parameters, a Flax NNX module under
-        # jit) and Flax NNX modules (also eager ones) are passed to the traced function
-        # rather than closed over: NNX refuses graph nodes from another trace level. Other
-        # concrete values stay closed over, so Python code may still read them (int(n),
-        # if flag: ...)
-        carried = tuple(i for i, a in enumerate(args) if i not in specs and _carried(a))
+        carried0 = tuple(args[i] for i in carried_pos) + tuple(kwargs[n] for n in carried_kw)
         state = trace_state()
         with stage_limit(sched):
             if state is not None:
@@ -209,8 +235,8 @@ def microbatch(
                 # traced once, like the reference scan's body: every microbatch calls the
                 # same jitted function, a cache hit after the first (the compiler inlines
                 # each call in its microbatch scope), so tracing does not grow with M
-                passed = tuple(sorted(specs)) + carried  # the batch, then carried values
-                nb = len(passed) - len(carried)
+                batch = tuple(sorted(specs))
+                nb = len(batch)
                 # state ``fun`` changes in its carried arguments (an NNX module's RNG
                 # counts, as the reference scan's carry): returned, and given to the next
                 # microbatch. Which leaves change is found when tracing (once)
@@ -218,22 +244,13 @@ def microbatch(
 
                 def body(*a: Any) -> Any:
                     before = [jax.tree_util.tree_leaves(v) for v in a[nb:]]
-                    res = call(_with_batch(pieces[0], passed, a))
+                    res = call(_with_batch(pieces[0], batch, a[:nb]), a[nb:])
                     after = [jax.tree_util.tree_leaves(v) for v in a[nb:]]
-                    if any(len(x) != len(y) for x, y in zip(before, after)):
-                        raise ValueError(
-                            "microbatch: fun changed the structure of a non-batch argument "
-                            "(added or removed state); only the values of its state may "
-                            "change from one microbatch to the next."
-                        )
-                    changed[:] = [
-                        [j for j, (x, y) in enumerate(zip(xs, ys)) if x is not y]
-                        for xs, ys in zip(before, after)
-                    ]
+                    changed[:] = _state_changes(fun_name, before, after)
                     return res, [[ys[j] for j in c] for ys, c in zip(after, changed)]
 
-                traced_once = jax.jit(_named_like(fun, passed, body))
-                state_now = [args[i] for i in carried]
+                traced_once = jax.jit(_named_like(fun, batch + carried_pos, carried_kw, body))
+                state_now = list(carried0)
                 acc: Any = None
                 per_mb: list[tuple[Any, Any]] = []
                 red = None
@@ -241,7 +258,7 @@ def microbatch(
                     scope = microbatch_scope(loop, k)
                     with jax.named_scope(scope):
                         (out, aux), new = traced_once(
-                            *(pieces[k][i] for i in passed[:nb]), *state_now
+                            *(pieces[k][i] for i in batch), *state_now
                         )
                         state_now = [
                             _replaced(v, c, n) if c else v
@@ -272,13 +289,15 @@ def microbatch(
                     stacked_out,
                     is_leaf=lambda x: x is None,
                 )
+                final = state_now
             else:
-                red, outs, aux_out = _scan_reference(
-                    lambda k, vals: call(_with_batch(piece(k), carried, vals)),
-                    tuple(args[i] for i in carried),
-                    M,
-                    reduce,
+                red, outs, aux_out, final = _scan_reference(
+                    lambda k, vals: call(piece(k), vals), carried0, M, reduce
                 )
+        # NNX modules hold the state the loop left, as after a Python loop over the
+        # microbatches (BatchNorm statistics, RNG counts: new dropout masks next step)
+        for old, new in zip(carried0, final):
+            _update_module(old, new)
         outs = jax.tree.map(
             lambda r, o: o / M if r == "mean" and not _float0(o) else o, red, outs
         )
@@ -287,14 +306,19 @@ def microbatch(
     return wrapped
 
 
-def _named_like(fun: Callable[..., Any], passed: tuple[int, ...], f: Callable[..., Any]):
-    """``f`` (called with ``fun``'s arguments at positions ``passed``) dressed as ``fun``
-    for JAX's tracing errors: ``fun``'s name and source line, the arguments' own names."""
+def _named_like(
+    fun: Callable[..., Any], passed: tuple[int, ...], kw: tuple[str, ...], f: Callable[..., Any]
+):
+    """``f`` (called with ``fun``'s arguments at positions ``passed``, then its keyword
+    arguments ``kw``) dressed as ``fun`` for JAX's tracing errors: ``fun``'s name and
+    source line, the arguments' own names."""
     try:
         params = list(inspect.signature(fun).parameters.values())
-        names = [params[i].name for i in passed]
+        names = [params[i].name for i in passed] + list(kw)
         kinds = [params[i].kind for i in passed]
     except (TypeError, ValueError, IndexError):
+        return f
+    if len(set(names)) != len(names):
         return f
     if any(k not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
            for k in kinds):
@@ -369,6 +393,42 @@ def _zeros(x: Any) -> Any:
     return jnp.zeros((1, *shape), jnp.result_type(x)).reshape(shape)
 
 
+def _state_changes(fun_name: str, before: list[list[Any]], after: list[list[Any]]):
+    """Per carried argument, the positions of the leaves ``fun`` changed (by identity);
+    their shapes and dtypes must stay, as a ``lax.scan`` carry's."""
+    changed = []
+    for n, (xs, ys) in enumerate(zip(before, after)):
+        if len(xs) != len(ys):
+            raise ValueError(
+                f"microbatch: {fun_name} changed the structure of a non-batch argument "
+                f"(carried argument {n}: {len(xs)} leaves, then {len(ys)}); only the values "
+                "of state may change from one microbatch to the next."
+            )
+        at = [j for j, (x, y) in enumerate(zip(xs, ys)) if x is not y]
+        for j in at:
+            a = (tuple(np.shape(xs[j])), jnp.result_type(xs[j]))
+            b = (tuple(np.shape(ys[j])), jnp.result_type(ys[j]))
+            if a != b:
+                raise TypeError(
+                    f"microbatch: {fun_name} changed state it carries from one microbatch "
+                    f"to the next (carried argument {n}, leaf {j}) from shape {a[0]} "
+                    f"{a[1]} to {b[0]} {b[1]}; carried state keeps its shape and dtype "
+                    "(as a lax.scan carry)."
+                )
+        changed.append(at)
+    return changed
+
+
+def _update_module(old: Any, new: Any) -> None:
+    """Write the state a loop left in a copy ``new`` of an NNX module back into the
+    caller's ``old`` (nothing for other values, which are not changed in place)."""
+    if new is old:
+        return
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and nnx.graph.is_graph_node(old):
+        nnx.update(old, nnx.state(new))
+
+
 def _replaced(tree: Any, at: list[int], vals: list[Any]) -> Any:
     """``tree`` with its leaves at positions ``at`` replaced by ``vals``."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -398,7 +458,7 @@ def _carried(tree: Any) -> bool:
     return (
         nnx is not None
         and nnx.graph.is_graph_node(tree)
-        and all(isinstance(x, jax.Array) for x in leaves)
+        and all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves)
     )
 
 
@@ -431,7 +491,7 @@ def _scan_reference(call, vals, M, reduce):
         ys = jax.tree.map(lambda r, o: o if r == "stack" else None, red, out)
         return (new, v), (ys, aux)
 
-    (acc, _v), (ys, aux) = jax.lax.scan(body, (init, vals), jnp.arange(M))
+    (acc, final), (ys, aux) = jax.lax.scan(body, (init, vals), jnp.arange(M))
     outs = jax.tree.map(
         lambda r, a, y, s: y if r == "stack" else _float0_zeros(s) if _float0(s) else a,
         red,
@@ -440,4 +500,4 @@ def _scan_reference(call, vals, M, reduce):
         first_out,
         is_leaf=lambda x: x is None,
     )
-    return red, outs, aux
+    return red, outs, aux, final

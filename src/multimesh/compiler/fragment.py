@@ -64,6 +64,18 @@ class _Group:
 _PHASE_RANK = {"F": 0, "B": 1, "W": 2}
 
 
+def _later_stage_of_earlier_mb(blocked: _Group, need: _Group) -> bool:
+    """``blocked`` (a forward) waits on an earlier microbatch's forward on a later stage."""
+    return (
+        blocked.mb is not None
+        and need.mb is not None
+        and blocked.mb[0] == need.mb[0]
+        and need.mb[1] < blocked.mb[1]
+        and blocked.phase == need.phase == "F"
+        and any(a.stage > b.stage for a in need.actions[:1] for b in blocked.actions[:1])
+    )
+
+
 class _Revisit(Exception):
     """A microbatch's forward pass comes back to a task stage it has left."""
 
@@ -1041,6 +1053,16 @@ def _dispatch_order(groups, seqs: dict[int, list[int]], effects: bool = False) -
                         "the schedule, or check the placement: in a pipeline each stage's "
                         "forward may only use earlier stages' forwards (a layer placed on "
                         "an earlier stage than its inputs needs its own, later stage)."
+                        + (
+                            " Here a microbatch needs an earlier microbatch's work on a "
+                            "later stage: state carried from one microbatch to the next "
+                            "(one nnx.Rngs shared by dropout layers on several stages) "
+                            "must be changed on one stage only; give each stage its own "
+                            "(an Rngs per stage), or use a schedule that runs each stage's "
+                            "microbatches after that state is made."
+                            if _later_stage_of_earlier_mb(groups[gid], groups[need])
+                            else ""
+                        )
                         + (
                             " The program has ordered effects (io_callback / debug.print "
                             "with ordered=True), which must run in program order; use "
