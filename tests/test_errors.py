@@ -174,6 +174,11 @@ def test_mesh_tasks_on_submeshes_no_stage_task_uses(mesh4x2):
     assert_close(got, jax.jit(g)(w, x), rtol=1e-6)
     plan = mm.jit(g, mesh=mesh4x2).lower(w, x).plan
     assert {tuple(fr.devices) for fr in plan.fragments} == {(0, 1), (3, 4), (6,)}
+    # asked for on the global mesh: moved there (a shard-wise copy per submesh crashed)
+    everywhere = NamedSharding(mesh4x2.mesh, P())
+    out = mm.jit(f, mesh=mesh4x2, out_shardings=everywhere)(w, x)
+    assert out.sharding == everywhere
+    assert_close(out, jax.jit(f)(w, x), rtol=1e-6)
 
 
 def test_foreign_devices():

@@ -137,7 +137,8 @@ def output_fn(
             return y if y is not x else _compat.fresh_copy([x])[0]
         return x if fresh[k] else _compat.fresh_copy([x])[0]
 
-    if req.replicate:
+    # made on a mesh= task's mesh (not a submesh): moved by jax.device_put instead
+    if req.replicate and all(slot_stage[i] in req.per_stage for i in ids):
         final: NamedSharding = req.final
         have = {slot_stage[i] for i in ids}
         missing = [(s, sh) for s, sh in req.per_stage.items() if s not in have]
