@@ -363,3 +363,22 @@ def test_out_shardings_for_tasks_with_their_own_axis_names():
         mm.jit(f, out_shardings={"h": None, "o": P("x"), "loss": None})(w, x)
     with pytest.raises(ValueError, match="for output \\['loss'\\] has 1 entries, but that output has rank 0"):
         mm.jit(f, out_shardings={"h": None, "o": None, "loss": P("z")})(w, x)
+
+
+def test_constraint_in_a_mesh_task_differentiated_in_a_microbatch_is_named(mesh4x2):
+    """A sharding constraint in a mesh= task on a mesh that is not a submesh,
+    differentiated inside mm.microbatch: JAX transposes it under the global mesh. The
+    error names that (it spoke of a shard_map the program does not have)."""
+    span = Mesh(np.array(jax.devices()[4:8]).reshape(2, 2), ("x", "y"))
+
+    def loss(w, xb, yb):
+        with mm.task("l0", stage=0):
+            h = jnp.tanh(xb @ w)
+        with mm.task("m", mesh=span):
+            h = jnp.tanh(jax.lax.with_sharding_constraint(h, P("x")))
+        return jnp.mean((h - yb) ** 2)
+
+    f = mm.microbatch(jax.value_and_grad(loss), 2, argnums=(1, 2), schedule="gpipe")
+    w, x = jnp.eye(8) / 2, jnp.ones((8, 8))
+    with pytest.raises(ValueError, match=r"a sharding constraint differentiated inside mm.micro"):
+        mm.jit(f, mesh=mesh4x2)(w, x, x)

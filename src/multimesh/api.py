@@ -54,8 +54,9 @@ from multimesh.tasks import TraceState, trace_state, tracing
 _compat.register_exclusion(__file__)
 
 _SHARD_MAP_TRANSPOSE = (
-    "mm.jit: a shard_map on a mesh that is not one of the MultiMesh's submeshes (in a "
-    "mesh= task) was differentiated: JAX transposes it outside the task, under the global "
+    "mm.jit: code of a mesh= task whose mesh is not one of the MultiMesh's submeshes (a "
+    "shard_map, or a sharding constraint differentiated inside mm.microbatch or a nested "
+    "jax.jit) was differentiated: JAX transposes it outside the task, under the global "
     "mesh, whose size differs. Use a stage= task (or a mesh= task on exactly "
     "mmesh.submesh(i)) for that code, or mm.jit without a MultiMesh when every task has "
     "mesh=."
