@@ -365,6 +365,14 @@ def test_in_shardings_on_a_submesh_place_the_argument_there(mesh4x2):
         f.lower(elsewhere)
     assert_close(f(jax.device_put(x, on2)), x * 2)
     assert_close(f(x), x * 2)  # unchanged by the calls before
+    # the same layout on other devices is moved there, as jax.jit does
+    moved = f(jax.device_put(x, NamedSharding(mesh4x2.submesh(0), jax.P("data"))))
+    assert_close(moved, x * 2)
+    assert moved.sharding.device_set == on2.device_set
+    # the submesh's devices in another order name that submesh too
+    rev = jax.sharding.Mesh(mesh4x2.submesh(2).devices[::-1], ("data",))
+    out = mm.jit(lambda a: a * 2, mesh=mesh4x2, in_shardings=NamedSharding(rev, jax.P()))(x)
+    assert out.sharding.device_set == on2.device_set
     # used by a task on another stage: put there, then moved
     g = mm.jit(two_stage, mesh=mesh4x2, in_shardings=(on2, None))
     assert_close(g(x, x), reference(two_stage, mesh4x2, x, x))

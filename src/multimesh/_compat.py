@@ -538,6 +538,18 @@ def device_assignment_ids(sharding: jax.sharding.Sharding) -> tuple[int, ...]:
     return tuple(int(d.id) for d in sharding._device_assignment)  # type: ignore[attr-defined]
 
 
+def same_layout_any_devices(a: jax.sharding.Sharding, b: jax.sharding.Sharding, ndim: int) -> bool:
+    """Whether two shardings split an array of rank ``ndim`` the same way, whatever
+    devices they use (what ``jax.jit`` compares a committed argument with its
+    ``in_shardings`` by; it moves an argument that differs only in devices)."""
+    ha, hb = a._to_xla_hlo_sharding(ndim), b._to_xla_hlo_sharding(ndim)  # type: ignore[attr-defined]
+    try:
+        from jax._src.op_shardings import are_hlo_shardings_equal
+    except ImportError:
+        return bool(ha == hb)
+    return bool(are_hlo_shardings_equal(ha, hb))
+
+
 def addressable_device_ids(sharding: jax.sharding.Sharding) -> list[int]:
     """Device ids in the order :func:`single_device_arrays` returns an array's pieces."""
     return [int(d.id) for d in sharding._addressable_device_assignment]  # type: ignore[attr-defined]

@@ -342,41 +342,40 @@ class MpmdFunction:
 
         return [chooser(s, n) for s, n in zip(leaves, names)]
 
-    def _pinned(self, labels: Labels, call: Call, flat: list[Any]) -> list[int | None]:
+    def _pinned(self, labels: Labels, call: Call, flat: list[Any]) -> list[tuple[int, bool] | None]:
         """Per flat leaf: the submesh its ``in_shardings`` entry names (a NamedSharding on
-        exactly one plan submesh's devices), or None. A host value is put there (and
-        moved to the stages that use it); a committed array must already have that
-        sharding, as ``jax.jit`` requires."""
+        exactly one plan submesh's devices, in any order) and whether the argument is to
+        be put there, or None. A host value is put there (and moved to the stages that
+        use it); a committed array must have that layout, as ``jax.jit`` requires (on
+        other devices it is moved, as ``jax.jit`` does)."""
         if self._in_shardings is None:
             return [None] * len(flat)
         names = self._signature.leaf_names(call)
         leaves = in_sharding_leaves(self._in_shardings, call, names)
-        by_devs = {t.device_ids: t.index for t in labels.targets}
-        out: list[int | None] = []
+        by_devs = {frozenset(t.device_ids): t.index for t in labels.targets}
+        mmesh = self.multimesh
+        everywhere = frozenset(int(d.id) for d in mmesh.mesh.devices.flat) if mmesh else None
+        out: list[tuple[int, bool] | None] = []
         for name, s, x in zip(names, leaves, flat):
-            pin = (
-                by_devs.get(_compat.device_assignment_ids(s))
-                if isinstance(s, NamedSharding)
-                else None
-            )
-            out.append(pin)
+            devs = frozenset(int(d.id) for d in s.device_set) if isinstance(s, NamedSharding) else None
+            pin = by_devs.get(devs) if devs is not None else None
             have = committed_sharding(x)
-            if pin is None or have is None:
+            if devs is None or devs == everywhere or have is None:
+                # (a global-mesh entry means the submesh that uses the value)
+                out.append(None if pin is None else (pin, True))
                 continue
             ndim = len(getattr(x, "shape", ()))
-            if not (
-                _compat.device_assignment_ids(have) == _compat.device_assignment_ids(s)
-                and have.is_equivalent_to(s, ndim)
-            ):
+            if not _compat.same_layout_any_devices(have, s, ndim):
                 raise ValueError(
                     f"in_shardings for argument {name}: {s} (devices "
                     f"{list(_compat.device_assignment_ids(s))}) does not match the sharding "
                     f"of the argument, {have} (devices "
                     f"{list(_compat.device_assignment_ids(have))}) (as with jax.jit, a "
-                    "committed array must have "
-                    "its in_shardings); jax.device_put it there first, or give a "
-                    "PartitionSpec (the submesh that uses it)."
+                    "committed array must have its in_shardings' layout); jax.device_put it "
+                    "there first, or give a PartitionSpec (the submesh that uses it)."
                 )
+            same = _compat.device_assignment_ids(have) == _compat.device_assignment_ids(s)
+            out.append(None if pin is None else (pin, not same))
         return out
 
     # -- entry points -----------------------------------------------------------------

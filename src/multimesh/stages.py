@@ -186,10 +186,11 @@ class Lowered(_ArgsInfo):
                 len(prog.outvars) - len(out_shardings)
             )
         self.input_infos: list[InputInfo] = [analyze(x, labels.targets, stage_axis) for x in flat]
-        for k, pin in enumerate(fn._pinned(labels, call, flat)):
-            if pin is not None and self.input_infos[k].mode == "put":
-                # a host value whose in_shardings names a submesh lives there
-                self.input_infos[k] = InputInfo(frozenset({pin}), "put")
+        for k, pinned in enumerate(fn._pinned(labels, call, flat)):
+            if pinned is not None and (pinned[1] or self.input_infos[k].mode == "put"):
+                # a host value (or an array on other devices) whose in_shardings names
+                # a submesh is put there
+                self.input_infos[k] = InputInfo(frozenset({pinned[0]}), "put")
         self.input_infos += [_piece_info(p) for _j, p in sorted(self._pieces.items())]
         default = (
             min(s for s in labels.stages if s is not None)
