@@ -570,3 +570,23 @@ def test_literal_outputs_placed_on_different_submeshes():
     assert [sorted(d.id for d in o.sharding.device_set) for o in got] == [[0], [0], [1]]
     assert [float(o) for o in got[1:]] == [1.0, 2.0]
     assert _types(got) == _types(jax.jit(f)(jnp.ones(4)))
+
+
+def test_compiled_names_the_placement_it_was_lowered_with():
+    """An argument the program puts (stage-sharded, used whole on two stages) placed
+    otherwise than lowered: the error names the lowered placement (it named only where
+    the program puts it, P())."""
+    mmesh = mm.make_mesh((2, 2, 2), ("stage", "data", "model"))
+
+    def f(x):
+        with mm.task("a", stage=0):
+            h = x * 2
+        with mm.task("b", stage=1):
+            return h + x
+
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    xs = jax.device_put(x, NamedSharding(mmesh.mesh, P("stage")))
+    c = mm.jit(f, mesh=mmesh).lower(xs).compile()
+    assert_close(c(xs), x * 3)
+    with pytest.raises(ValueError, match=r"spec P\('stage',\)\) \(lowered with it; put at"):
+        c(jax.device_put(x, NamedSharding(mmesh.mesh, P("data"))))

@@ -410,10 +410,15 @@ class Compiled(_ArgsInfo):
                     "this placement (calling the mm.jit function does that)."
                 )
             if sh is not None and i in homes and not _same_sharding(sh, homes[i], self._ndims[i]):
+                k = self._leaf_keys[i]
+                low = k[3] if len(k) > 3 else None
+                where = placement_text(homes[i])
+                if low is not None and i not in self._exe.in_place:
+                    where = f"{placement_text(low)} (lowered with it; put at {where})"
                 raise ValueError(
                     f"argument {names[i]} is placed as {placement_text(sh)}, but this program "
-                    f"was compiled for it at {placement_text(homes[i])}; move it (jax.device_put) or compile for this "
-                    "placement (calling the mm.jit function does that)."
+                    f"was compiled for it at {where}; move it (jax.device_put) or compile "
+                    "for this placement (calling the mm.jit function does that)."
                 )
         if _compat.jit_disabled():  # checked as above, then plain Python, as the function
             full, kw = self._call.rebuild(args, kwargs)
