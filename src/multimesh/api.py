@@ -314,6 +314,11 @@ class MpmdFunction:
             def pick(stage: int) -> Any:
                 target = labels.targets[stage]
                 mesh = target.mesh
+                where = (
+                    f"the submesh of stage {stage}"
+                    if mmesh is not None and stage < mmesh.num_stages
+                    else "the mesh of a mesh= task"
+                )
                 if isinstance(s, PartitionSpec):
                     spec = s
                 elif isinstance(s, NamedSharding) and (
@@ -326,15 +331,17 @@ class MpmdFunction:
                     spec = s.spec  # the global mesh, or the submesh in another order
                 else:
                     raise ValueError(
-                        f"in_shardings for argument {name}: {s} is not on the submesh that "
-                        f"uses it (stage {stage}, devices {list(target.device_ids)}); give a "
-                        "PartitionSpec, or a NamedSharding on the global or that submesh."
+                        f"in_shardings for argument {name}: {s} (devices "
+                        f"{sorted(int(d.id) for d in s.device_set)}) is not on the submesh that "
+                        f"uses it ({where}, devices {list(target.device_ids)}) nor on another "
+                        "of the program's submeshes; give a PartitionSpec, or a NamedSharding "
+                        "on the global mesh or on one submesh."
                     )
                 missing = [a for a in sorted(spec_axes(spec)) if a not in mesh.axis_names]
                 if missing:
                     raise ValueError(
                         f"in_shardings for argument {name}: {spec} names {missing}, which "
-                        f"the submesh of stage {stage} (axes {tuple(mesh.axis_names)}) lacks."
+                        f"{where} (axes {tuple(mesh.axis_names)}) lacks."
                     )
                 return NamedSharding(mesh, spec)
 
