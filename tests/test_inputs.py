@@ -373,6 +373,11 @@ def test_in_shardings_on_a_submesh_place_the_argument_there(mesh4x2):
     rev = jax.sharding.Mesh(mesh4x2.submesh(2).devices[::-1], ("data",))
     out = mm.jit(lambda a: a * 2, mesh=mesh4x2, in_shardings=NamedSharding(rev, jax.P()))(x)
     assert out.sharding.device_set == on2.device_set
+    with pytest.raises(ValueError, match=r"argument a: .* partitioned 2 times, but the dim"):
+        f(jnp.ones(3))  # indivisible, as jax.jit says (also for an unused argument)
+    unused = mm.jit(lambda a, b: b * 2, mesh=mesh4x2, in_shardings=(on2, None))
+    with pytest.raises(ValueError, match=r"argument a: .* partitioned 2 times"):
+        unused(jnp.ones(3), x)
     # used by a task on another stage: put there, then moved
     g = mm.jit(two_stage, mesh=mesh4x2, in_shardings=(on2, None))
     assert_close(g(x, x), reference(two_stage, mesh4x2, x, x))

@@ -302,6 +302,11 @@ class MpmdFunction:
             check_no_stage_axis(s, stage_axis, f"in_shardings for argument {name}")
             what = f"in_shardings for argument {name}: {s}"
             check_spec_rank(s, getattr(x, "shape", ()), what, "argument")
+            if isinstance(s, NamedSharding):
+                try:  # as jax.jit, also for an argument the program does not use
+                    s.shard_shape(tuple(getattr(x, "shape", ())))
+                except ValueError as e:
+                    raise ValueError(f"in_shardings for argument {name}: {e}") from None
 
         global_ids = (
             frozenset(int(d.id) for d in mmesh.mesh.devices.flat) if mmesh is not None else None
