@@ -474,6 +474,45 @@ def test_nnx_state_a_microbatch_loop_changes_stays_in_the_module(mesh4x2):
     assert_close(got[1]["mean"].get_value(), ref.mean.get_value())
 
 
+def test_nnx_modules_in_containers_and_shared_between_arguments(mesh4x2):
+    """A module inside a tuple or dict argument gets the loop's final state too (was
+    dropped, or an eager Flax error); two arguments sharing a module keep the state the
+    loop left (the unchanged copy was written back last, undoing it)."""
+    x = jnp.arange(8.0).reshape(4, 2) + 3
+    mk = lambda: nnx.BatchNorm(2, momentum=0.5, rngs=nnx.Rngs(0))  # noqa: E731
+    ref = mk()
+    for k in range(2):
+        ref(x[2 * k : 2 * k + 2])
+
+    class Holder(nnx.Module):
+        def __init__(self, bn):
+            self.bn = bn
+
+    def in_tuple(t, x):
+        return t[0](x).sum()
+
+    def shared(bn, holder, x):
+        return holder.bn(x).sum()
+
+    bn = mk()
+    mm.microbatch(in_tuple, 2, argnums=1)((bn,), x)
+    assert_close(bn.mean.get_value(), ref.mean.get_value())
+    bn = mk()
+    mm.microbatch(shared, 2, argnums=2)(bn, Holder(bn), x)
+    assert_close(bn.mean.get_value(), ref.mean.get_value())
+
+    gd, st = nnx.split(mk())
+
+    def step(st, x):
+        bn = nnx.merge(gd, st)
+        mm.microbatch(lambda d, x: d["m"](x).sum(), 2, argnums=1)({"m": bn}, x)
+        return nnx.state(bn)
+
+    got = mm.jit(step, mesh=mesh4x2)(st, x)
+    assert_close(got, jax.jit(step)(st, x))
+    assert_close(got["mean"].get_value(), ref.mean.get_value())
+
+
 def test_nnx_dropout_masks_change_from_step_to_step(mesh4x2):
     """The RNG count a microbatched step advances comes back in the state: each training
     step draws new masks (every step repeated the first step's)."""

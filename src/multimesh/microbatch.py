@@ -205,15 +205,13 @@ def microbatch(
             out = fun(*k_args, **kw)
             for (what, v), old in zip(closed, before):
                 new = jax.tree_util.tree_leaves(v)
-                if len(new) != len(old) or any(
-                    x is not y and _compat.is_tracer(y) for x, y in zip(old, new)
-                ):
+                if len(new) != len(old) or any(x is not y for x, y in zip(old, new)):
                     raise ValueError(
-                        f"microbatch: {fun_name} changed {what} in place to traced values; "
-                        "that argument holds values not being traced (Python numbers, "
-                        "NumPy or concrete arrays), so it is closed over and its changes "
-                        "cannot go on to the next microbatch. Pass state that changes as "
-                        "arrays under jax.jit/mm.jit, or as an NNX module, or return it."
+                        f"microbatch: {fun_name} changed {what} in place; that argument "
+                        "holds values not being traced (Python numbers, NumPy or concrete "
+                        "arrays), so it is closed over and its changes cannot go on to the "
+                        "next microbatch. Pass state that changes as arrays under "
+                        "jax.jit/mm.jit, or as an NNX module, or return it."
                     )
             if has_aux:
                 if not (isinstance(out, tuple) and len(out) == 2):
@@ -250,7 +248,9 @@ def microbatch(
                     return res, [[ys[j] for j in c] for ys, c in zip(after, changed)]
 
                 traced_once = jax.jit(_named_like(fun, batch + carried_pos, carried_kw, body))
-                state_now = list(carried0)
+                state_now = _promote_weak(
+                    traced_once, [pieces[0][i] for i in batch], list(carried0), changed
+                )
                 acc: Any = None
                 per_mb: list[tuple[Any, Any]] = []
                 red = None
@@ -291,13 +291,25 @@ def microbatch(
                 )
                 final = state_now
             else:
-                red, outs, aux_out, final = _scan_reference(
-                    lambda k, vals: call(piece(k), vals), carried0, M, reduce
-                )
+                changed = []
+
+                def scan_call(k: Any, vals: tuple[Any, ...]) -> tuple[Any, Any]:
+                    before = [jax.tree_util.tree_leaves(v) for v in vals]
+                    res = call(piece(k), vals)
+                    after = [jax.tree_util.tree_leaves(v) for v in vals]
+                    changed[:] = [
+                        [j for j, (x, y) in enumerate(zip(xs, ys)) if x is not y]
+                        for xs, ys in zip(before, after)
+                    ]
+                    return res
+
+                red, outs, aux_out, final = _scan_reference(scan_call, carried0, M, reduce)
         # NNX modules hold the state the loop left, as after a Python loop over the
-        # microbatches (BatchNorm statistics, RNG counts: new dropout masks next step)
-        for old, new in zip(carried0, final):
-            _update_module(old, new)
+        # microbatches (BatchNorm statistics, RNG counts: new dropout masks next step);
+        # only where fun changed something (two arguments may share a module)
+        for old, new, c in zip(carried0, final, changed):
+            if c:
+                _update_module(old, new)
         outs = jax.tree.map(
             lambda r, o: o / M if r == "mean" and not _float0(o) else o, red, outs
         )
@@ -323,11 +335,15 @@ def _named_like(
     if any(k not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
            for k in kinds):
         return f
+    try:  # keyword names need not be identifiers (f(**{"layer-0": p}))
+        sig = inspect.Signature(
+            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names]
+        )
+    except ValueError:
+        return f
     f.__wrapped__ = fun  # type: ignore[attr-defined]  # JAX's source info unwraps
     f.__name__ = getattr(fun, "__name__", "fun")
-    f.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names]
-    )
+    f.__signature__ = sig  # type: ignore[attr-defined]
     return f
 
 
@@ -408,7 +424,7 @@ def _state_changes(fun_name: str, before: list[list[Any]], after: list[list[Any]
         for j in at:
             a = (tuple(np.shape(xs[j])), jnp.result_type(xs[j]))
             b = (tuple(np.shape(ys[j])), jnp.result_type(ys[j]))
-            if a != b:
+            if a != b and not (a[0] == b[0] and _weak(xs[j])):  # weak: promoted, as scan
                 raise TypeError(
                     f"microbatch: {fun_name} changed state it carries from one microbatch "
                     f"to the next (carried argument {n}, leaf {j}) from shape {a[0]} "
@@ -419,14 +435,51 @@ def _state_changes(fun_name: str, before: list[list[Any]], after: list[list[Any]
     return changed
 
 
+def _weak(x: Any) -> bool:
+    if isinstance(x, (bool, int, float, complex)):
+        return True
+    return bool(getattr(getattr(x, "aval", x), "weak_type", False))
+
+
+def _promote_weak(traced_once: Any, batch: list[Any], state: list[Any], changed: list[list[int]]):
+    """Weakly typed carried leaves that ``fun`` makes of another dtype take that dtype
+    before the first microbatch, as ``lax.scan`` promotes a weak carry (a Python number
+    given as state under jit, made bfloat16 by ``fun``)."""
+    if not any(_weak(x) for v in state for x in jax.tree_util.tree_leaves(v)):
+        return state
+    for _ in range(3):
+        _res, news = jax.eval_shape(traced_once, *batch, *state)
+        promoted = False
+        out = []
+        for v, c, ns in zip(state, changed, news):
+            leaves, treedef = jax.tree_util.tree_flatten(v)
+            for j, a in zip(c, ns):
+                x = leaves[j]
+                if _weak(x) and jnp.result_type(x) != a.dtype:
+                    leaves[j] = jax.lax.convert_element_type(x, a.dtype)
+                    promoted = True
+            out.append(jax.tree_util.tree_unflatten(treedef, leaves))
+        state = out
+        if not promoted:
+            break
+    return state
+
+
 def _update_module(old: Any, new: Any) -> None:
-    """Write the state a loop left in a copy ``new`` of an NNX module back into the
-    caller's ``old`` (nothing for other values, which are not changed in place)."""
+    """Write the state a loop left in a copy ``new`` of an argument back into the
+    caller's NNX modules in ``old`` (a module, or modules in a tuple, list or dict;
+    nothing for other values, which are not changed in place)."""
     if new is old:
         return
     nnx = sys.modules.get("flax.nnx")
-    if nnx is not None and nnx.graph.is_graph_node(old):
-        nnx.update(old, nnx.state(new))
+    if nnx is None:
+        return
+    is_node = nnx.graph.is_graph_node
+    olds = jax.tree_util.tree_leaves(old, is_leaf=is_node)
+    news = jax.tree_util.tree_leaves(new, is_leaf=is_node)
+    for o, n in zip(olds, news):
+        if is_node(o) and n is not o:
+            nnx.update(o, nnx.state(n))
 
 
 def _replaced(tree: Any, at: list[int], vals: list[Any]) -> Any:
@@ -447,18 +500,21 @@ def _stack(trees: list[Any]) -> Any:
 
 def _carried(tree: Any) -> bool:
     """Passed through the microbatch loop, not closed over: every leaf is a value being
-    traced (so nothing can read it in Python anyway), or the argument is a Flax NNX
-    graph node (a module) made of arrays, which NNX refuses to close over."""
+    traced (so nothing can read it in Python anyway), or the argument holds Flax NNX
+    modules (alone or in a tuple, list or dict) made of numbers, which NNX refuses to
+    close over."""
     leaves = jax.tree_util.tree_leaves(tree)
     if not leaves:
         return False
     if all(_compat.is_tracer(x) for x in leaves):
         return True
     nnx = sys.modules.get("flax.nnx")  # only loaded if the user uses NNX
-    return (
-        nnx is not None
-        and nnx.graph.is_graph_node(tree)
-        and all(isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves)
+    if nnx is None:
+        return False
+    nodes = jax.tree_util.tree_leaves(tree, is_leaf=nnx.graph.is_graph_node)
+    return any(nnx.graph.is_graph_node(n) for n in nodes) and all(
+        isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+        for x in leaves
     )
 
 
