@@ -204,14 +204,19 @@ def microbatch(
             before = [jax.tree_util.tree_leaves(v) for _w, v in closed]
             out = fun(*k_args, **kw)
             for (what, v), old in zip(closed, before):
+                # values traced here, stored into an argument that is closed over: its
+                # changes cannot go on to the next microbatch (JAX would leak them).
+                # Other changes (a log, a memo, leaves a pytree makes when flattened)
+                # are Python side effects, as under jax.jit
+                ids = {id(x) for x in old}
                 new = jax.tree_util.tree_leaves(v)
-                if len(new) != len(old) or any(x is not y for x, y in zip(old, new)):
+                if any(_compat.is_tracer(y) and id(y) not in ids for y in new):
                     raise ValueError(
-                        f"microbatch: {fun_name} changed {what} in place; that argument "
-                        "holds values not being traced (Python numbers, NumPy or concrete "
-                        "arrays), so it is closed over and its changes cannot go on to the "
-                        "next microbatch. Pass state that changes as arrays under "
-                        "jax.jit/mm.jit, or as an NNX module, or return it."
+                        f"microbatch: {fun_name} changed {what} in place to traced values; "
+                        "that argument also holds values not being traced (Python numbers, "
+                        "NumPy or concrete arrays), so it is closed over and its changes "
+                        "cannot go on to the next microbatch. Pass state that changes as "
+                        "arrays under jax.jit/mm.jit, or as an NNX module, or return it."
                     )
             if has_aux:
                 if not (isinstance(out, tuple) and len(out) == 2):
