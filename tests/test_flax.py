@@ -513,6 +513,32 @@ def test_nnx_modules_in_containers_and_shared_between_arguments(mesh4x2):
     assert_close(got["mean"].get_value(), ref.mean.get_value())
 
 
+def test_nnx_module_next_to_a_string_in_one_argument(mesh4x2):
+    """``{"m": model, "mode": "train"}``: the module is carried, the string stays static
+    (the argument was closed over: Flax's trace-level error in every mode)."""
+
+    def f(x, a):
+        return a["m"](x).sum() if a["mode"] == "train" else x.sum()
+
+    x = jnp.ones((8, 2))
+    m = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+    want = np.asarray([f(x[2 * k : 2 * k + 2], {"m": m, "mode": "train"}) for k in range(4)])
+    m = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+    got = mm.microbatch(f, 4, reduce="stack")(x, {"m": m, "mode": "train"})
+    assert_close(got, want)
+    assert m.rngs.count.get_value() == 4  # the module holds the loop's state
+    gd, st = nnx.split(nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1)))
+
+    def step(st, x):
+        m = nnx.merge(gd, st)
+        out = mm.microbatch(f, 4, reduce="stack")(x, {"m": m, "mode": "train"})
+        return out, nnx.state(m)
+
+    got = mm.jit(step, mesh=mesh4x2)(st, x)
+    assert_close(got, jax.jit(step)(st, x))
+    assert_close(got[0], want)
+
+
 def test_nnx_dropout_masks_change_from_step_to_step(mesh4x2):
     """The RNG count a microbatched step advances comes back in the state: each training
     step draws new masks (every step repeated the first step's)."""

@@ -199,6 +199,7 @@ def microbatch(
 
         def call(k_args: tuple[Any, ...], vals: tuple[Any, ...]) -> tuple[Any, Any]:
             """``fun`` on microbatch arguments ``k_args`` and carried values ``vals``."""
+            vals = tuple(v.tree if isinstance(v, _Mixed) else v for v in vals)
             k_args = _with_batch(k_args, carried_pos, vals[: len(carried_pos)])
             kw = {**kwargs, **dict(zip(carried_kw, vals[len(carried_pos) :]))}
             before = [jax.tree_util.tree_leaves(v) for _w, v in closed]
@@ -227,7 +228,9 @@ def microbatch(
                 return out
             return out, None
 
-        carried0 = tuple(args[i] for i in carried_pos) + tuple(kwargs[n] for n in carried_kw)
+        carried0 = tuple(
+            _wrap(v) for v in [args[i] for i in carried_pos] + [kwargs[n] for n in carried_kw]
+        )
         state = trace_state()
         with stage_limit(sched):
             if state is not None:
@@ -314,7 +317,10 @@ def microbatch(
         # only where fun changed something (two arguments may share a module)
         for old, new, c in zip(carried0, final, changed):
             if c:
-                _update_module(old, new)
+                _update_module(
+                    old.tree if isinstance(old, _Mixed) else old,
+                    new.tree if isinstance(new, _Mixed) else new,
+                )
         outs = jax.tree.map(
             lambda r, o: o / M if r == "mean" and not _float0(o) else o, red, outs
         )
@@ -517,10 +523,46 @@ def _carried(tree: Any) -> bool:
     if nnx is None:
         return False
     nodes = jax.tree_util.tree_leaves(tree, is_leaf=nnx.graph.is_graph_node)
-    return any(nnx.graph.is_graph_node(n) for n in nodes) and all(
-        isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
-        for x in leaves
-    )
+    if not any(nnx.graph.is_graph_node(n) for n in nodes):
+        return False
+    try:  # other leaves (a string next to the module) stay static: hashable
+        hash(tuple(x for x in leaves if not _numeric(x)))
+    except TypeError:
+        return False
+    return True
+
+
+def _numeric(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+
+
+def _wrap(tree: Any) -> Any:
+    """A carried argument: itself, or a :class:`_Mixed` if some leaves are not numbers."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    static = tuple(j for j, x in enumerate(leaves) if not _numeric(x) and not _compat.is_tracer(x))
+    return _Mixed(tree, static) if static else tree
+
+
+@jax.tree_util.register_pytree_node_class
+class _Mixed:
+    """A carried argument whose non-number leaves (``{"m": model, "mode": "train"}``)
+    stay static: its children are the current number leaves of ``tree``."""
+
+    def __init__(self, tree: Any, static: tuple[int, ...]):
+        self.tree, self.static = tree, static
+
+    def tree_flatten(self) -> tuple[list[Any], Any]:
+        leaves, treedef = jax.tree_util.tree_flatten(self.tree)
+        fixed = tuple((j, leaves[j]) for j in self.static)
+        return [x for j, x in enumerate(leaves) if j not in self.static], (treedef, fixed)
+
+    @classmethod
+    def tree_unflatten(cls, aux: Any, children: Any) -> _Mixed:
+        treedef, fixed = aux
+        it = iter(children)
+        at = dict(fixed)
+        leaves = [at[j] if j in at else next(it) for j in range(treedef.num_leaves)]
+        return cls(jax.tree_util.tree_unflatten(treedef, leaves), tuple(at))
 
 
 def _scan_reference(call, vals, M, reduce):
