@@ -207,6 +207,42 @@ def keys_onto_a_submesh_over_processes() -> None:
     print("keys over processes ok", flush=True)
 
 
+def keys_and_pinned_inputs_over_processes() -> None:
+    """A PRNG key an mm.jit call returned on the other process's submesh comes back
+    with to_host (it was "not returned by an mm.jit call"); in_shardings on the other
+    process's submesh put a host value there, and a committed array elsewhere is the
+    same clear error on every process (it hung one of them)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mmesh = mm.make_mesh((4, 2), ("stage", "data"))
+
+    def f(k, x):
+        with mm.task("s3", stage=3):
+            k2, sub = jax.random.split(k)
+            return k2, x + jax.random.uniform(sub, x.shape)
+
+    x = np.arange(4.0, dtype=np.float32)
+    got = mm.distributed.to_host(mm.jit(f, mesh=mmesh)(jax.random.key(0), x))
+    with jax.default_device(jax.local_devices()[0]):
+        want = jax.jit(f)(jax.random.key(0), x)
+    np.testing.assert_array_equal(got[0], np.asarray(jax.random.key_data(want[0])))
+    np.testing.assert_array_equal(got[1], np.asarray(want[1]))
+    on3 = NamedSharding(mmesh.submesh(3), PartitionSpec("data"))
+    g = mm.jit(lambda v: v * 2, mesh=mmesh, in_shardings=on3)
+    np.testing.assert_array_equal(mm.distributed.to_host(g(x)), x * 2)
+    elsewhere = jax.device_put(x, NamedSharding(mmesh.submesh(0), PartitionSpec("data")))
+    if jax.process_count() == 1:  # the baseline run: moved there, as jax.jit does
+        np.testing.assert_array_equal(np.asarray(g(elsewhere)), x * 2)
+    else:
+        try:
+            g(elsewhere)
+        except ValueError as e:
+            assert "cannot move a committed array" in str(e), e
+        else:
+            raise AssertionError("a committed array on another process's devices was accepted")
+    print("keys and pinned inputs over processes ok", flush=True)
+
+
 def sharded_compiles_in_parallel() -> None:
     """A data-parallel pipeline (layouts XLA chooses, so transfer shardings wait for
     compiles) compiled on several threads per process when MULTIMESH_COMPILE_THREADS
@@ -333,6 +369,7 @@ def main() -> None:
     if which == "quick":
         replicated_outputs_and_keys()
         keys_onto_a_submesh_over_processes()
+        keys_and_pinned_inputs_over_processes()
         sharded_compiles_in_parallel()
     if which == "quick" and jax.process_index() == 0:
         # a program on this process's devices only: no other process takes part

@@ -111,6 +111,7 @@ def test_two_processes_match_one(baseline, tmp_path):
     # outputs replicated over every submesh, and a PRNG key passed through and fed back
     assert proc.stdout.count("replicated outputs ok") == 2, proc.stdout[-2000:]
     assert proc.stdout.count("keys over processes ok") == 2, output_tail(proc)
+    assert proc.stdout.count("keys and pinned inputs over processes ok") == 2, output_tail(proc)
     assert "[rank 0] local-only ok" in proc.stdout, proc.stdout[-2000:]
     # each process compiled its own fragments only (not the other's: known layouts)
     assert proc.stdout.count("compiled own fragments, skipped") == 2, proc.stdout[-2000:]

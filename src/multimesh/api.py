@@ -387,6 +387,15 @@ class MpmdFunction:
                     "there first, or give a PartitionSpec (the submesh that uses it)."
                 )
             same = _compat.device_assignment_ids(have) == _compat.device_assignment_ids(s)
+            if not same and jax.process_count() > 1:
+                raise ValueError(
+                    f"in_shardings for argument {name}: the argument is committed to other "
+                    f"devices ({list(_compat.device_assignment_ids(have))}) than {s} "
+                    f"(devices {list(_compat.device_assignment_ids(s))}); a multi-process "
+                    "run cannot move a committed array between devices for you (no "
+                    "cross-process device_put on this backend): pass it uncommitted (a "
+                    "host value, put where in_shardings says) or with that sharding."
+                )
             out.append(None if pin is None else (pin, not same))
         return out
 

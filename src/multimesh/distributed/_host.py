@@ -229,6 +229,8 @@ class _Handler(socketserver.StreamRequestHandler):
         if arr is None:
             self.wfile.write(json.dumps({"error": "expired"}).encode() + b"\n")
             return
+        if jax.dtypes.issubdtype(arr.dtype, jax.dtypes.extended):
+            arr = jax.random.key_data(arr)  # a PRNG key: its key data
         index, blobs = [], []
         seen: set[tuple] = set()
         for sh in arr.addressable_shards:
@@ -257,7 +259,7 @@ def _peer(q: int) -> tuple[str, int]:
     return addr
 
 
-def _fetch(x: jax.Array) -> np.ndarray:
+def _fetch(x: jax.Array, gid: str | None = None) -> np.ndarray:
     me = jax.process_index()
     out = np.empty(x.shape, dtype=x.dtype)
     filled = np.zeros(x.shape, dtype=bool)
@@ -266,7 +268,7 @@ def _fetch(x: jax.Array) -> np.ndarray:
         filled[sh.index] = True
     if filled.all():  # e.g. replicated over every process: the local copy is the value
         return out
-    gid = _GID.get(id(x))
+    gid = gid or _GID.get(id(x))
     if gid is None:
         raise ValueError(
             "mm.distributed.to_host: this array lives (partly) on other processes and was "
@@ -310,10 +312,11 @@ def to_host(tree: Any) -> Any:
     def conv(x: Any) -> Any:
         if not isinstance(x, jax.Array):
             return np.asarray(x)
+        gid = _GID.get(id(x))  # a PRNG key: served as its key data under the key's id
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
             x = jax.random.key_data(x)
         if x.is_fully_addressable:
             return np.asarray(x)
-        return _fetch(x)
+        return _fetch(x, gid)
 
     return jax.tree.map(conv, tree)
