@@ -197,13 +197,21 @@ def microbatch(
             if i not in specs and i not in carried_pos
         ] + [(f"argument {n!r}", v) for n, v in kwargs.items() if n not in carried_kw]
 
-        def call(k_args: tuple[Any, ...], vals: tuple[Any, ...]) -> tuple[Any, Any]:
-            """``fun`` on microbatch arguments ``k_args`` and carried values ``vals``."""
-            vals = tuple(v.tree if isinstance(v, _Mixed) else v for v in vals)
-            k_args = _with_batch(k_args, carried_pos, vals[: len(carried_pos)])
-            kw = {**kwargs, **dict(zip(carried_kw, vals[len(carried_pos) :]))}
+        # per carried argument: the leaves fun replaces (its state, as the reference
+        # scan's carry), found by identity when tracing
+        changed: list[list[int]] = []
+
+        def call(k_args: tuple[Any, ...], vals: tuple[Any, ...]) -> tuple[Any, list[Any]]:
+            """``fun`` on microbatch arguments ``k_args`` and carried values ``vals``:
+            ``((out, aux), the carried values' leaves after fun)``."""
+            state_before = [jax.tree_util.tree_leaves(v) for v in vals]
+            plain = tuple(v.tree if isinstance(v, _Mixed) else v for v in vals)
+            k_args = _with_batch(k_args, carried_pos, plain[: len(carried_pos)])
+            kw = {**kwargs, **dict(zip(carried_kw, plain[len(carried_pos) :]))}
             before = [jax.tree_util.tree_leaves(v) for _w, v in closed]
             out = fun(*k_args, **kw)
+            after = [jax.tree_util.tree_leaves(v) for v in vals]
+            changed[:] = _state_changes(fun_name, state_before, after)
             for (what, v), old in zip(closed, before):
                 # values traced here, stored into an argument that is closed over: its
                 # changes cannot go on to the next microbatch (JAX would leak them).
@@ -225,8 +233,8 @@ def microbatch(
                         "microbatch(has_aux=True) needs fun to return a pair (out, aux); got "
                         f"{type(out).__name__}."
                     )
-                return out
-            return out, None
+                return out, after
+            return (out, None), after
 
         carried0 = tuple(
             _wrap(v) for v in [args[i] for i in carried_pos] + [kwargs[n] for n in carried_kw]
@@ -243,16 +251,10 @@ def microbatch(
                 # each call in its microbatch scope), so tracing does not grow with M
                 batch = tuple(sorted(specs))
                 nb = len(batch)
-                # state ``fun`` changes in its carried arguments (an NNX module's RNG
-                # counts, as the reference scan's carry): returned, and given to the next
-                # microbatch. Which leaves change is found when tracing (once)
-                changed: list[list[int]] = []
 
                 def body(*a: Any) -> Any:
-                    before = [jax.tree_util.tree_leaves(v) for v in a[nb:]]
-                    res = call(_with_batch(pieces[0], batch, a[:nb]), a[nb:])
-                    after = [jax.tree_util.tree_leaves(v) for v in a[nb:]]
-                    changed[:] = _state_changes(fun_name, before, after)
+                    # the state fun replaced is returned, for the next microbatch
+                    res, after = call(_with_batch(pieces[0], batch, a[:nb]), a[nb:])
                     return res, [[ys[j] for j in c] for ys, c in zip(after, changed)]
 
                 traced_once = jax.jit(_named_like(fun, batch + carried_pos, carried_kw, body))
@@ -299,28 +301,15 @@ def microbatch(
                 )
                 final = state_now
             else:
-                changed = []
-
-                def scan_call(k: Any, vals: tuple[Any, ...]) -> tuple[Any, Any]:
-                    before = [jax.tree_util.tree_leaves(v) for v in vals]
-                    res = call(piece(k), vals)
-                    after = [jax.tree_util.tree_leaves(v) for v in vals]
-                    changed[:] = [
-                        [j for j, (x, y) in enumerate(zip(xs, ys)) if x is not y]
-                        for xs, ys in zip(before, after)
-                    ]
-                    return res
-
-                red, outs, aux_out, final = _scan_reference(scan_call, carried0, M, reduce)
+                red, outs, aux_out, final = _scan_reference(
+                    lambda k, vals: call(piece(k), vals)[0], carried0, M, reduce
+                )
         # NNX modules hold the state the loop left, as after a Python loop over the
         # microbatches (BatchNorm statistics, RNG counts: new dropout masks next step);
         # only where fun changed something (two arguments may share a module)
         for old, new, c in zip(carried0, final, changed):
             if c:
-                _update_module(
-                    old.tree if isinstance(old, _Mixed) else old,
-                    new.tree if isinstance(new, _Mixed) else new,
-                )
+                _update_module(old, new)
         outs = jax.tree.map(
             lambda r, o: o / M if r == "mean" and not _float0(o) else o, red, outs
         )
@@ -477,19 +466,18 @@ def _promote_weak(traced_once: Any, batch: list[Any], state: list[Any], changed:
 
 
 def _update_module(old: Any, new: Any) -> None:
-    """Write the state a loop left in a copy ``new`` of an argument back into the
+    """Write the state a loop left in a copy ``new`` of a carried argument back into the
     caller's NNX modules in ``old`` (a module, or modules in a tuple, list or dict;
     nothing for other values, which are not changed in place)."""
-    if new is old:
-        return
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return
+    old, new = (v.tree if isinstance(v, _Mixed) else v for v in (old, new))
     is_node = nnx.graph.is_graph_node
     olds = jax.tree_util.tree_leaves(old, is_leaf=is_node)
     news = jax.tree_util.tree_leaves(new, is_leaf=is_node)
     for o, n in zip(olds, news):
-        if is_node(o) and n is not o:
+        if is_node(o):
             nnx.update(o, nnx.state(n))
 
 
@@ -568,7 +556,7 @@ class _Mixed:
 def _scan_reference(call, vals, M, reduce):
     """The reference: ``lax.scan`` over microbatches, summing or stacking outputs.
     ``call(k, vals)`` runs microbatch ``k``; ``vals`` (arguments passed, not closed
-    over) go through the scan's carry unchanged."""
+    over) go through the scan's carry, with the state fun replaces in them."""
     first_out, _ = jax.eval_shape(lambda v: call(0, v), vals)
     red = _reduce_tree(reduce, first_out)
     init = jax.tree.map(
