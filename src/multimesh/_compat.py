@@ -384,10 +384,12 @@ def _param_token(v: Any, memo: dict[Any, Any]) -> Any:
         return v
     if isinstance(v, float):
         return v if v == v else _value_token(v)  # NaNs by their bits
-    if memo["devices"] and isinstance(
-        v, (jax.sharding.Sharding, jax.sharding.Mesh, jax.Device)
-    ):
-        return (type(v).__name__, str(v), _device_ids(v))
+    if isinstance(v, (jax.sharding.Sharding, jax.sharding.Mesh, jax.Device)):
+        # by text (and devices when asked), never by identity below: a Mesh is
+        # callable, and a nested jit's ctx_mesh is each stage's own submesh object
+        if memo["devices"]:
+            return (type(v).__name__, str(v), _device_ids(v))
+        return (type(v).__name__, str(v))
     if isinstance(v, (tuple, list)):
         return (type(v).__name__, *(_param_token(x, memo) for x in v))
     if isinstance(v, ClosedJaxpr):
