@@ -618,3 +618,42 @@ def test_shared_rngs_over_interleaved_stages(mesh4x2):
     gd, st = nnx.split(Model2())
     with pytest.raises(ValueError, match=r"deadlock.*state carried from one microbatch"):
         mm.jit(step, mesh=mesh4x2)(st, x)
+
+
+class Sowing(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        with mm.task("s0", stage=0):
+            h = self.lin(x)
+            self.sow(nnx.Intermediate, "h", h)
+        with mm.task("s1", stage=1):
+            return jnp.mean(h**2)
+
+
+def test_sow_in_a_microbatched_fun():
+    """Intermediates sown inside mm.microbatch's fun: popped there and returned as aux,
+    they match jax.jit (averaged over microbatches like the loss); left in the module,
+    every mode (eager, jax.jit, mm.jit) says how to pop them (the module gained
+    variables between microbatches: was a bare leaf-count error)."""
+    mesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    x = np.arange(16, dtype=np.float32).reshape(4, 4) / 10
+
+    def popped(model, x):
+        def loss(model, x):
+            return model(x), nnx.pop(model, nnx.Intermediate)
+
+        return mm.microbatch(nnx.value_and_grad(loss, has_aux=True), 2, argnums=1)(model, x)
+
+    def kept(model, x):
+        return mm.microbatch(nnx.value_and_grad(lambda m, x: m(x)), 2, argnums=1)(model, x)
+
+    with mesh:
+        want = nnx.jit(popped)(Sowing(nnx.Rngs(0)), x)
+    got = mm.jit(popped, mesh=mesh)(Sowing(nnx.Rngs(0)), x)
+    assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert np.shape(jax.tree.leaves(got[0][1])[0]) == (2, 4)
+    for f in (kept, nnx.jit(kept), mm.jit(kept, mesh=mesh)):
+        with mesh, pytest.raises(ValueError, match=r"sow.*nnx\.pop"):
+            f(Sowing(nnx.Rngs(0)), x)

@@ -418,7 +418,10 @@ def _state_changes(fun_name: str, before: list[list[Any]], after: list[list[Any]
             raise ValueError(
                 f"microbatch: {fun_name} changed the structure of a non-batch argument "
                 f"(carried argument {n}: {len(xs)} leaves, then {len(ys)}); only the values "
-                "of state may change from one microbatch to the next."
+                "of state may change from one microbatch to the next. A module that gains "
+                "variables (Module.sow, a lazily created parameter) needs them popped inside "
+                "fun (nnx.pop(model, nnx.Intermediate)) and returned as aux, or created "
+                "before the loop."
             )
         at = [j for j, (x, y) in enumerate(zip(xs, ys)) if x is not y]
         for j in at:
