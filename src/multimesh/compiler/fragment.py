@@ -159,7 +159,12 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
     key_of: dict[tuple[int, int], tuple] = {}
     groups_by_key: dict[tuple, int] = {}
     groups: list[_Group] = []
+    # ordered effects run in program order: one after another submesh's comes a level
+    # later (as if it received a value), so work returning to a stage (0, 1, 0) is not
+    # grouped with that stage's first effect, which would wait for itself
+    last_effect: tuple[int, int] | None = None  # (level, stage)
     for i, e in enumerate(prog.eqns):
+        effect = _compat.has_ordered_effects(e)
         for s in placement.instances[i]:
             lvl = 0
             from_loop = mbs[i] is not None
@@ -169,6 +174,10 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
                 al, aph = avail[(a, s)]
                 lvl = max(lvl, al + (1 if aph == "F" and phase[i] == "B" else 0))
                 from_loop = from_loop or (a, s) in looped
+            if effect and last_effect is not None:
+                lvl = max(lvl, last_effect[0] + (last_effect[1] != s))
+            if effect:
+                last_effect = (lvl, s)
             # work after a microbatch loop never shares a group with work before it
             post = mbs[i] is None and from_loop
             # (work after a loop that feeds a loop again, e.g. the seed of a non-linear
