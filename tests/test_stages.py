@@ -590,3 +590,36 @@ def test_compiled_names_the_placement_it_was_lowered_with():
     assert_close(c(xs), x * 3)
     with pytest.raises(ValueError, match=r"spec P\('stage',\)\) \(lowered with it; put at"):
         c(jax.device_put(x, NamedSharding(mmesh.mesh, P("data"))))
+
+
+def test_staged_objects_have_jax_stages_attributes(mesh4x2):
+    """The rest of jax.stages' public surface: ``Lowered.as_text(dialect, debug_info=)``
+    (an IR dialect is a clear NotImplementedError, as ``compiler_ir``),
+    ``Traced.out_avals``, ``Compiled.input_formats``/``output_formats`` (Formats with the
+    shardings ``input_shardings``/``output_shardings`` give) and ``runtime_executable``
+    (one per fragment). Each was an AttributeError or a bare TypeError."""
+    g = mm.jit(two_stage, mesh=mesh4x2)
+    want = jax.jit(two_stage).trace(W, X)
+    t = g.trace(W, X)
+    assert jax.tree.structure(t.out_avals) == jax.tree.structure(want.out_avals)
+    assert [(a.shape, a.dtype) for a in jax.tree.leaves(t.out_avals)] == [
+        (a.shape, a.dtype) for a in jax.tree.leaves(want.out_avals)
+    ]
+    lowered = t.lower()
+    assert lowered.as_text(debug_info=True) == lowered.as_text() == lowered.as_text(None)
+    with pytest.raises(NotImplementedError, match="fragment"):
+        lowered.as_text("hlo")
+    c = lowered.compile()
+    jc = want.lower().compile()
+    ins, outs = c.input_formats, c.output_formats
+    assert jax.tree.structure(ins, is_leaf=lambda x: x is None) == jax.tree.structure(
+        jc.input_formats
+    )
+    assert jax.tree.structure(outs) == jax.tree.structure(jc.output_formats)
+    assert [f.sharding for f in jax.tree.leaves(outs)] == jax.tree.leaves(c.output_shardings)
+    homes = jax.tree.leaves(c.input_shardings, is_leaf=lambda x: x is None)
+    for f, sh in zip(jax.tree.leaves(ins, is_leaf=lambda x: x is None), homes, strict=True):
+        assert (f is None) == (sh is None) and (f is None or f.sharding == sh)
+    exes = c.runtime_executable()
+    assert len(exes) == len(c.fragments) == len(c.plan.fragments)
+    assert all(e is not None for e in exes)

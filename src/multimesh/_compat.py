@@ -582,6 +582,13 @@ def key_impl(dtype: Any) -> Any:
     return dtype._impl  # noqa: SLF001
 
 
+def default_format(sharding: jax.sharding.Sharding) -> Any:
+    """``jax.experimental.layout.Format`` with the default layout and ``sharding``."""
+    from jax.experimental.layout import Format
+
+    return Format(None, sharding)
+
+
 def trace_context() -> Any:
     """The JAX settings a trace depends on (``jax_enable_x64``, dtype promotion,
     ``threefry_partitionable``, ...): part of ``jax.jit``'s cache key, and of ours."""

@@ -103,6 +103,11 @@ class TracedCall(_ArgsInfo):
         """The outputs' shapes and dtypes, as a pytree of ``jax.ShapeDtypeStruct``."""
         return _out_info(self._traced)
 
+    @property
+    def out_avals(self) -> Any:
+        """The outputs' abstract values, as a pytree (``jax.stages.Traced.out_avals``)."""
+        return jax.tree_util.tree_unflatten(self.out_tree, list(self._traced.out_avals))
+
     def lower(self) -> Lowered:
         """Place and plan the traced program (see :class:`Lowered`)."""
         return self._fn._lower(self._call, self._flat, self.in_tree, self._key)
@@ -219,9 +224,14 @@ class Lowered(_ArgsInfo):
         """The outputs' shapes and dtypes, as a pytree of ``jax.ShapeDtypeStruct``."""
         return _out_info(self._traced)
 
-    def as_text(self) -> str:
+    def as_text(self, dialect: str | None = None, *, debug_info: bool = False) -> str:
         """A readable listing of the plan: fragments, devices and transfers (and, with
-        ``task_rules``, which scope went to which stage)."""
+        ``task_rules``, which scope went to which stage). ``dialect`` (one module's IR in
+        ``jax.stages``) is refused: see :meth:`compiler_ir`; ``debug_info`` is accepted
+        (the plan's listing has no source locations)."""
+        del debug_info
+        if dialect is not None:
+            self.compiler_ir(dialect)  # raises, pointing at the fragments' programs
         text = self.plan.as_text()
         if self.scope_stages:
             rows = [f"  {scope!r} -> stage {st}" for scope, st in sorted(self.scope_stages.items())]
@@ -559,7 +569,31 @@ class Compiled(_ArgsInfo):
     # -- introspection ----------------------------------------------------------------
 
     def as_text(self) -> str:
+        """The plan's listing (see :meth:`Lowered.as_text`); each fragment's XLA program
+        is ``fragments[i].as_text()``."""
         return self.plan.as_text()
+
+    def runtime_executable(self) -> list[Any]:
+        """The fragments' runtime executables, in dispatch order (``None`` for a
+        fragment another process runs): an MPMD program is several XLA executables."""
+        return [c.runtime_executable() if c is not None else None for c in self._exe.compiled]
+
+    @property
+    def input_formats(self) -> Any:
+        """A pytree matching the arguments: a ``Format`` (default layout, the sharding
+        of :attr:`input_shardings`) where an argument is used in place, ``None`` where
+        it is put where needed on each call."""
+        return jax.tree.map(
+            lambda sh: None if sh is None else _compat.default_format(sh),
+            self.input_shardings,
+            is_leaf=lambda x: x is None,
+        )
+
+    @property
+    def output_formats(self) -> Any:
+        """A pytree of ``Format`` (default layout, the sharding of
+        :attr:`output_shardings`) matching the outputs."""
+        return jax.tree.map(_compat.default_format, self.output_shardings)
 
     @property
     def num_executables(self) -> int:
