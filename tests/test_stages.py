@@ -623,3 +623,38 @@ def test_staged_objects_have_jax_stages_attributes(mesh4x2):
     exes = c.runtime_executable()
     assert len(exes) == len(c.fragments) == len(c.plan.fragments)
     assert all(e is not None for e in exes)
+
+
+def test_repeated_lower_compile_keeps_no_old_programs(mesh4x2):
+    """Each ``lower().compile()`` seeds the call cache for its signature; the program it
+    replaces is released (all were kept: +1 live array (a kept constant) and more live
+    executables per compile, a leak in a loop that re-lowers, e.g. for
+    ``memory_analysis`` each epoch)."""
+    import gc
+
+    def loss(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                h = jnp.tanh(h @ w)
+        return h.sum()
+
+    def step(ws, x):
+        v, g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1)(ws, x)
+        return [w - 0.1 * d for w, d in zip(ws, g, strict=True)], v
+
+    ws, x = [jnp.eye(8) * 0.5 for _ in range(4)], jnp.ones((16, 8))
+    f = mm.jit(step, mesh=mesh4x2)
+    ws, _ = f(ws, x)
+    ws, _ = f(ws, x)  # committed to their submeshes now
+    want = reference(step, mesh4x2, mm.distributed.to_host(ws), x)
+    client = jax.devices()[0].client
+    counts = []
+    for _ in range(6):
+        c = f.lower(ws, x).compile()
+        assert_close(c(ws, x), want)
+        del c
+        gc.collect()
+        counts.append((len(jax.live_arrays()), len(client.live_executables())))
+    assert counts[-1] == counts[1], counts  # flat after the first
+    assert f._cache_size() <= 2

@@ -159,10 +159,15 @@ class MpmdFunction:
     def _register(self, key: Hashable, compiled: Compiled) -> None:
         """Seed the call cache (``Lowered.compile`` calls this)."""
         with self._lock:
+            old = self._cache.get(key)
             self._cache[key] = compiled
-            akey = _abstract(key)
-            variants = self._variants.setdefault(akey, [])
-            if compiled not in variants:
+            variants = self._variants.setdefault(_abstract(key), [])
+            if old is not None and old is not compiled:
+                # replaced (lower().compile() again): forgotten unless another
+                # signature still uses it, so repeated compiles do not pile up
+                if all(c is not old for c in self._cache.values()):
+                    variants[:] = [c for c in variants if c is not old]
+            if all(c is not compiled for c in variants):
                 variants.append(compiled)
 
     def _cache_size(self) -> int:
