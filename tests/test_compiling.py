@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 
 import multimesh as mm
 from multimesh.runtime import compiling
@@ -559,6 +560,7 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np
 import multimesh as mm
+from jax.ad_checkpoint import checkpoint_name
 sys.path.insert(0, sys.argv[1])
 from test_compiling import one_device_pipeline
 
@@ -1129,3 +1131,63 @@ def test_jax_settings_key_the_call_cache():
     assert mg(x).dtype == jax.jit(g)(x).dtype
     with jax.numpy_dtype_promotion("strict"), pytest.raises(jax.dtypes.TypePromotionError):
         mg(x)
+
+
+_POLICY = jax.checkpoint_policies.save_only_these_names("a")
+
+
+def _per_layer_step(variant: str):
+    """Four identical one-device stages whose layer holds a parameter made anew per layer
+    call in the ``*_per_layer`` variants (a remat policy, a reduce's Python reducer)."""
+
+    def layer(w, h):
+        if variant.startswith("remat"):
+            pol = (
+                _POLICY
+                if variant == "remat_once"
+                else jax.checkpoint_policies.save_only_these_names("a")
+            )
+
+            def inner(w, h):
+                a = checkpoint_name(jnp.tanh(h @ w), "a")
+                return h + jnp.tanh(a @ w)
+
+            return jax.checkpoint(inner, policy=pol)(w, h)
+        hs = jax.lax.stop_gradient(h)
+        red = jax.lax.add if variant == "reduce_once" else (lambda a, b: a + b * 1.0)
+        r = jax.lax.reduce(hs, 0.0, red, (1,))
+        return h + jnp.tanh(h @ w) * r[:, None]
+
+    def loss(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                h = layer(w, h)
+        return jnp.mean(h**2)
+
+    def step(ws, x):
+        v, g = mm.microbatch(jax.value_and_grad(loss), 2, argnums=1)(ws, x)
+        return [w - 0.01 * d for w, d in zip(ws, g, strict=True)], v
+
+    return step
+
+
+@pytest.mark.parametrize("kind", ["remat", "reduce"])
+def test_parameters_lowering_ignores_do_not_split_executables(kind):
+    """A remat policy or a reduce's Python reducer made anew in every layer (as
+    ``nn.remat(policy=...)`` inside a layer does) is not read when a fragment is lowered:
+    the middle stages still share one compile (each compiled its own: keyed by the
+    object's identity)."""
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    ws = [rng.normal(size=(8, 8)).astype(np.float32) / 6 for _ in range(4)]
+    x = rng.normal(size=(8, 8)).astype(np.float32) / 4
+    stats = {}
+    for variant in (f"{kind}_once", f"{kind}_per_layer"):
+        step = _per_layer_step(variant)
+        c = mm.jit(step, mesh=mesh).lower(ws, x).compile()
+        for a, r in zip(jax.tree.leaves(c(ws, x)), jax.tree.leaves(jax.jit(step)(ws, x))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-7)
+        stats[variant] = c.compile_stats
+    assert stats[f"{kind}_per_layer"] == stats[f"{kind}_once"], stats
+    assert stats[f"{kind}_once"]["relocated"] >= 2, stats

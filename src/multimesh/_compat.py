@@ -364,6 +364,10 @@ def _device_ids(v: Any) -> tuple[Any, ...]:
 #: parameters of custom-derivative calls that only differentiation reads (lowering runs
 #: ``call_jaxpr``): a new object per trace, so they do not key the compiled program
 _AD_ONLY = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bwd", "out_trees"})
+#: other parameters lowering does not read, by primitive: a remat's policy (read by
+#: differentiation, done before a fragment is compiled; often a new object per layer)
+#: and a reduce's Python reducer (lowered from its ``jaxpr`` parameter)
+_NOT_LOWERED = {"remat2": frozenset({"policy"}), "reduce": frozenset({"computation"})}
 
 
 def _value_token(v: Any) -> Any:
@@ -446,10 +450,11 @@ def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
     eqns = []
     for e in jaxpr.eqns:
         ins = tuple(ref(v) for v in e.invars)
-        custom = e.primitive.name.startswith("custom_")
+        name = e.primitive.name
+        unread = _AD_ONLY if name.startswith("custom_") else _NOT_LOWERED.get(name, ())
         params = tuple(
             sorted(
-                (k, "ad-only" if custom and k in _AD_ONLY else _param_token(x, memo))
+                (k, "not lowered" if k in unread else _param_token(x, memo))
                 for k, x in e.params.items()
             )
         )
