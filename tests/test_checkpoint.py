@@ -274,7 +274,13 @@ def test_manager_refuses_what_it_would_lose(tmp_path):
         assert m.save(np.int64(3), {"w": jnp.full(2, 30.0)})
         m.wait_until_finished()
         got = m.restore(target={"w": jnp.zeros(2)})
+        with pytest.raises(TypeError, match="must be an int"):  # was "no step 1 ... [1, 3]"
+            m.restore("1", target={"w": jnp.zeros(2)})
     np.testing.assert_array_equal(got["w"], [30.0, 30.0])
+    # a manager's step folder (what multimesh-run writes) read by restore(): was "lists no
+    # arrays ... corrupt"
+    step = mm.checkpoint.restore(d / "1", {"w": jnp.zeros(2)})
+    np.testing.assert_array_equal(step["w"], [1.0, 1.0])
 
 
 def test_container_mismatch_is_not_called_corruption(tmp_path):

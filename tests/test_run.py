@@ -139,6 +139,7 @@ def test_checkpoint_dir_errors_before_training(tmp_path, capsys):
     step.mkdir(parents=True)
     (step / "_CHECKPOINT_METADATA").write_text("{}")
     assert mm.checkpoint.saved_steps(tmp_path / "ck") == [3]
+    mm.checkpoint.save(tmp_path / "one", {"w": np.ones(2, np.float32)})
     for args, message in [
         (["--checkpoint-dir", str(afile)], "is a file, not a directory"),
         (["--checkpoint-dir", str(tmp_path / "ck")], "holds checkpoints (steps [3]); pass --resume"),
@@ -146,6 +147,8 @@ def test_checkpoint_dir_errors_before_training(tmp_path, capsys):
         # a numbered folder that is no checkpoint (was a traceback after building the model)
         (["--checkpoint-dir", str(tmp_path / "other")], "numbered folders that are not checkpoints (7)"),
         (["--checkpoint-dir", str(tmp_path / "other"), "--resume"], "that are not checkpoints"),
+        # one mm.checkpoint.save checkpoint (steps were written inside it)
+        (["--checkpoint-dir", str(tmp_path / "one"), "--resume"], "is one checkpoint"),
     ]:
         (tmp_path / "other" / "7").mkdir(parents=True, exist_ok=True)
         with pytest.raises(SystemExit) as e:
@@ -398,3 +401,12 @@ def test_metrics_are_strict_json(tmp_path):
 
     got = json.loads((tmp_path / "m.json").read_text(), parse_constant=refuse)
     assert got["losses"] == [1.5, None, None] and got["first_step"] == 0
+
+
+def test_compare_spmd_names_a_non_finite_loss(capsys):
+    """A diverged run (NaN/inf losses) fails --compare-spmd and says why (it said the
+    losses differ by more than --tolerance)."""
+    code = cli.main([*SMALL, "--num-steps", "2", "--learning-rate", "1e30"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "a loss is not finite (NaN or inf)" in out.strip().splitlines()[-1], out[-500:]

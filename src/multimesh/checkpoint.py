@@ -399,6 +399,8 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
             f"no checkpoint at {path} (an interrupted save leaves none: use "
             "CheckpointManager to restore the latest complete step)"
         )
+    if not (path / "_METADATA").exists() and (path / "default" / "_METADATA").exists():
+        path = path / "default"  # a CheckpointManager step (multimesh-run writes these)
     with ocp.Checkpointer(_handler()) as ck:
         try:
             meta = ck.metadata(path)
@@ -548,7 +550,7 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
-        elif step not in self.all_steps():
+        elif _step_number(step) not in self.all_steps():
             raise FileNotFoundError(
                 f"no complete checkpoint for step {step} in {self.directory} "
                 f"(complete steps: {self.all_steps()})"

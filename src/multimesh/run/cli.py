@@ -20,6 +20,9 @@ from collections.abc import Callable, Sequence
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1")
 
 
+#: files at the top of a single Orbax checkpoint (``multimesh.checkpoint.save``)
+_ONE_CHECKPOINT = ("_METADATA", "_CHECKPOINT_METADATA")
+
 def _int_at_least(low: int, what: str) -> Callable[[str], int]:
     """An argparse type: an integer >= ``low`` (``what`` names the bound in errors)."""
 
@@ -173,8 +176,10 @@ def parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="continue from the latest complete checkpoint in --checkpoint-dir (its layout "
-        "may differ: a checkpoint restores into any --pp/--tp/--dp/--fsdp); steps run up to "
-        "--num-steps in all (--model maxtext: MaxText's own restore of its latest step)",
+        "may differ: a checkpoint restores into any --pp/--tp/--dp/--fsdp; give the saving "
+        "run's --num-layers, which defaults to --pp x --interleave); steps run up to "
+        "--num-steps in all; a directory without a complete checkpoint starts at step 0 "
+        "(--model maxtext: MaxText's own restore of its latest step)",
     )
     o = p.add_argument_group("output and checks")
     o.add_argument(
@@ -310,6 +315,12 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
             p.error(
                 f"--checkpoint-dir {ns.checkpoint_dir} holds numbered folders that are not "
                 f"checkpoints ({', '.join(foreign[:5])}); use a directory of its own"
+            )
+        if any(os.path.exists(os.path.join(ns.checkpoint_dir, m)) for m in _ONE_CHECKPOINT):
+            p.error(
+                f"--checkpoint-dir {ns.checkpoint_dir} is one checkpoint (as "
+                "multimesh.checkpoint.save writes), not a directory of numbered steps; use a "
+                "directory of its own"
             )
         # absolute: Orbax refuses relative paths (MaxText passes it on as given)
         ns.checkpoint_dir = os.path.abspath(ns.checkpoint_dir)

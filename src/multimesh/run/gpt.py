@@ -140,7 +140,7 @@ def run(ns: argparse.Namespace) -> int:
             write_metrics(ns, start, losses, times)
         return 0
     extra: list[tuple[str, str]] = []
-    code = 0
+    code, why = 0, None
     if ns.compare_spmd:
         ref = jax.jit(step)
         ref_state, worst = host_state, 0.0
@@ -159,6 +159,8 @@ def run(ns: argparse.Namespace) -> int:
             )
         )
         code = 0 if ok else 1
+        if not math.isfinite(worst):
+            why = "a loss is not finite (NaN or inf)"
     if ns.dump:
         extra += dump(ns, f, state, batches[-1], mmesh)
     if rank0 and ns.metrics:
@@ -167,8 +169,10 @@ def run(ns: argparse.Namespace) -> int:
         print(report.summary(times, tokens_per_step, flops, losses, extra))
         if code:
             print(
-                f"multimesh-run: the MPMD losses differ from plain jax.jit SPMD by more than "
-                f"--tolerance {ns.tolerance:g}"
+                f"multimesh-run: {why}"
+                if why
+                else "multimesh-run: the MPMD losses differ from plain jax.jit SPMD by more "
+                f"than --tolerance {ns.tolerance:g}"
             )
     return code
 

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib
+import math
 import os
 import re
 import tempfile
@@ -659,7 +660,14 @@ def run(ns: argparse.Namespace) -> int:
             raise RuntimeError(
                 f"the jax.jit reference ran {len(ref_losses)} steps, MultiMesh {len(rec.losses)}"
             )
-        worst = max(abs(a - b) for a, b in zip(ref_losses, rec.losses))
+        # a NaN or inf on either side is a failure, not a match (max() skips NaNs)
+        worst = max(
+            (
+                abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+                for a, b in zip(ref_losses, rec.losses)
+            ),
+            default=0.0,
+        )
         ok = worst <= ns.tolerance
         extra.append(
             (
@@ -692,8 +700,10 @@ def run(ns: argparse.Namespace) -> int:
         print(report.summary(rec.step_times, tokens_per_step, flops, rec.losses, extra))
         if code:
             print(
-                f"multimesh-run: the MPMD losses differ from MaxText under plain jax.jit by more "
-                f"than --tolerance {ns.tolerance:g}"
+                "multimesh-run: a loss is not finite (NaN or inf)"
+                if not math.isfinite(worst)
+                else "multimesh-run: the MPMD losses differ from MaxText under plain jax.jit "
+                f"by more than --tolerance {ns.tolerance:g}"
             )
     return code
 
