@@ -288,7 +288,7 @@ def test_interleaving_errors():
     mmesh = stage_mesh(2)
     x, y = data(8)
     g = mm.microbatch(jax.value_and_grad(mlp(3)), 2, argnums=(1, 2), schedule="interleaved-1f1b")
-    with pytest.raises(ValueError, match="3 pipeline stages on 2 submeshes"):
+    with pytest.raises(ValueError, match="3 pipeline stages on the 2 submeshes"):
         mm.jit(g, mesh=mmesh)(weights(3), x, y)
     g = mm.microbatch(jax.value_and_grad(mlp(4)), 3, argnums=(1, 2), schedule="interleaved-1f1b")
     with pytest.raises(ValueError, match="divisible"):
@@ -296,6 +296,19 @@ def test_interleaving_errors():
     g = mm.microbatch(jax.value_and_grad(mlp(4)), 2, argnums=(1, 2), schedule="1f1b")
     with pytest.raises(ValueError, match="out of range"):
         mm.jit(g, mesh=mmesh)(weights(4), x, y)
+
+    # tasks on 3 of 4 submeshes: M=4 divides the mesh's 4 (the message said "the number
+    # of submeshes (3)")
+    def loss(ws, x, y):
+        h = x
+        for i, st in enumerate([0, 2, 3]):
+            with mm.task(f"t{i}", stage=st):
+                h = h + jnp.tanh(h @ ws[i])
+        return jnp.mean((h - y) ** 2)
+
+    g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=(1, 2), schedule="interleaved-1f1b")
+    with pytest.raises(ValueError, match=r"submeshes the pipeline's tasks use \(3\)"):
+        mm.jit(g, mesh=stage_mesh(4))(weights(3), x, y)
 
 
 def test_interleaved_tasks_next_to_each_other_on_a_submesh_are_named():
@@ -314,7 +327,7 @@ def test_interleaved_tasks_next_to_each_other_on_a_submesh_are_named():
     g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=(1, 2), schedule="interleaved-1f1b")
     x, y = data(8)
     with pytest.raises(ValueError, match=r"straight to another on the same submesh.*8 task "
-                       r"stages make 6 pipeline stages on 4 submeshes"):
+                       r"stages make 6 pipeline stages on the 4 submesh\(es\)"):
         mm.jit(g, mesh=stage_mesh(4))(weights(8), x, y)
 
 

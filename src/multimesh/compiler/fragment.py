@@ -711,18 +711,19 @@ def _build_schedules(groups, loops, labels):
         if len(every) > max(num_virtual, S):
             raise ValueError(
                 f"the microbatch loop's forward pass goes from one task stage straight to "
-                f"another on the same submesh (stage v runs on submesh v % {S}), so such "
-                f"task stages run as one pipeline stage: its {len(every)} task stages make "
-                f"{num_virtual} pipeline stages on {S} submeshes. An interleaved pipeline "
+                f"another on the same submesh (task stage v runs on submesh v % the "
+                f"mesh's number of submeshes), so such task stages run as one pipeline "
+                f"stage: its {len(every)} task stages make {num_virtual} pipeline stages on "
+                f"the {S} submesh(es) its tasks use. An interleaved pipeline "
                 "visits the submeshes in turn (position p on submesh p % S): order the "
                 "tasks so that consecutive stages are on different submeshes (visited 0, "
                 "1, 2, ...)."
             )
         if num_virtual % S:
             raise ValueError(
-                f"the microbatch loop has {num_virtual} pipeline stages on {S} submeshes; "
-                "with interleaving, the number of task stages must be a multiple of the "
-                "number of submeshes (stage v runs on submesh v % S)."
+                f"the microbatch loop has {num_virtual} pipeline stages on the {S} "
+                "submeshes its tasks use; with interleaving, the number of task stages must "
+                "be a multiple of the number of submeshes they use."
             )
         fixed = getattr(sched, "num_chunks", None)
         if fixed is not None and fixed != chunks:

@@ -79,7 +79,8 @@ class Interleaved1F1B(Schedule):
         if M % S:
             raise ValueError(
                 f"Interleaved1F1B needs num_microbatches ({M}) divisible by the number of "
-                f"submeshes ({S}); use {M + (-M) % S} microbatches, or OneFOneB()."
+                f"submeshes the pipeline's tasks use ({S}); use {M + (-M) % S} microbatches, "
+                "or OneFOneB()."
             )
         total = M * V
 
