@@ -79,6 +79,7 @@ def test_every_layout_and_schedule(layout, schedule, tmp_path):
     "args, message",
     [
         (["--pp", "3", "--dp", "2"], "--pp 3 x --tp 1 x --dp 2 x --fsdp 1 = 6, but there are 8"),
+        (["--pp", "3"], "give --dp too (or --cpus)"),
         (
             ["--pp", "4", "--dp", "2", "--num-layers", "6"],
             "--num-layers 6 is not divisible by --pp 4",

@@ -216,6 +216,7 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
         ns.schedule = "interleaved-1f1b" if ns.interleave > 1 else "1f1b"
     if ns.interleave > 1 and ns.schedule != "interleaved-1f1b":
         p.error(f"--interleave {ns.interleave} needs --schedule interleaved-1f1b")
+    dp_given = ns.dp is not None
     if ns.pp is None and ns.dp is None:
         ns.pp = max(1, min(4, num_devices // (ns.tp * ns.fsdp)))
     if ns.pp is None:
@@ -227,9 +228,15 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
             p.error(f"--{flag} must be at least 1")
     total = ns.pp * ns.tp * ns.dp * ns.fsdp
     if total != num_devices:
+        hint = (
+            "; with --backend cpu, give --dp too (or --cpus): the virtual CPU devices "
+            "default to pp*tp*dp*fsdp only when --pp and --dp are both given, else 8"
+            if ns.backend == "cpu" and ns.cpus is None and not dp_given
+            else ""
+        )
         p.error(
             f"--pp {ns.pp} x --tp {ns.tp} x --dp {ns.dp} x --fsdp {ns.fsdp} = {total}, but "
-            f"there are {num_devices} devices (--cpus / the launcher / the GPUs)"
+            f"there are {num_devices} devices (--cpus / the launcher / the GPUs){hint}"
         )
     stages = ns.pp * ns.interleave
     ns.num_layers_given = ns.num_layers is not None
