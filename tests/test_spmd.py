@@ -76,6 +76,25 @@ def test_shard_map_inside_task(mesh222):
     assert_close(mm.jit(f, mesh=mesh222)(w, x), reference(f, mesh222, w, x))
 
 
+@pytest.mark.parametrize("where", ["stage", "mesh"])
+def test_shard_map_without_mesh_keeps_its_output_layout(mesh4x2, where):
+    """A shard_map without ``mesh=`` in a task (an abstract mesh in its parameters) is
+    sharded work: its output keeps ``out_specs`` on the submesh, as under jax.jit (its
+    fragment was taken for replicated work and its output gathered, two all-gathers)."""
+    x = jax.random.normal(jax.random.key(4), (8, 8))
+    sub = Mesh(np.array(jax.devices()[2:4]), ("data",), axis_types=(AxisType.Auto,))
+
+    def f(x):
+        ctx = mm.task("a", stage=2) if where == "stage" else mm.task("a", mesh=sub)
+        with ctx:
+            return jax.shard_map(lambda a: a * 2, in_specs=P("data"), out_specs=P("data"))(x)
+
+    y = mm.jit(f, mesh=mesh4x2)(x)
+    assert_close(y, reference(f, mesh4x2, x))
+    target = mesh4x2.submesh(2) if where == "stage" else sub
+    assert y.sharding.is_equivalent_to(NamedSharding(target, P("data")), 2), y.sharding
+
+
 def test_nested_jit_with_shardings(mesh222):
     gm = mesh222.mesh
 

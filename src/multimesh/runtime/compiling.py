@@ -310,13 +310,16 @@ class _Foreign(Exception):
 
 
 def embedded_placements(jaxpr: Any, skip: frozenset[str] = frozenset()) -> tuple[Any, ...]:
-    """Every sharding, mesh or device named in ``jaxpr``'s equation parameters (sharding
-    constraints, device_put targets, ...), sub-jaxprs included, except in the parameters
-    named in ``skip``: the text of a jaxpr does not show which devices these refer to."""
+    """Every sharding, mesh (abstract too) or device named in ``jaxpr``'s equation
+    parameters (sharding constraints, device_put targets, shard_maps, ...), sub-jaxprs
+    included, except in the parameters named in ``skip``: the text of a jaxpr does not
+    show which devices these refer to."""
     found: list[Any] = []
 
     def walk_value(v: Any) -> None:
-        if isinstance(v, (jax.sharding.Sharding, jax.sharding.Mesh, jax.Device)):
+        if isinstance(
+            v, (jax.sharding.Sharding, jax.sharding.Mesh, jax.sharding.AbstractMesh, jax.Device)
+        ):  # an abstract mesh: a shard_map without mesh= (the context's), sharded
             found.append(v)
         elif isinstance(v, (tuple, list)):
             for x in v:
