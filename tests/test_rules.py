@@ -158,3 +158,45 @@ def test_rules_inside_a_loop_body(mesh4x2):
 
     with pytest.raises(ValueError, match=r"inside a `scan` body together with code for another"):
         mm.jit(model2, mesh=mesh4x2, task_rules={"attn": 0, "mlp": 1})(ws, x)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + jnp.tanh(nn.Dense(8, name="proj")(x))
+
+
+class _Decoder(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(4):
+            x = _Block(name=f"layers_{i}")(x)
+        return x
+
+
+class _Top(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return _Decoder(name="decoder")(nn.Dense(8, name="embed")(x))
+
+
+def test_path_rules_match_the_scope_path(mesh4x2):
+    """A rule with ``/`` is searched in the scope path (``decoder/layers_(\\d+)`` in
+    ``_Top/decoder/layers_2/proj``): it matched nothing (each scope name was searched
+    alone) and every layer ran on stage 0 after an "unmatched rule" warning. One task per
+    matched layer; component rules keep their meaning next to it."""
+    model = _Top()
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    params = model.init(jax.random.key(1), x)
+    f = jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
+    rules = {r"decoder/layers_(\d+)": lambda m: int(m[1]), r"^embed$": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no rule goes unmatched
+        lowered = mm.jit(f, mesh=mesh4x2, task_rules=rules).lower(params, x)
+    v, g = lowered.compile()(params, x)
+    assert_close((v, g), reference(f, mesh4x2, params, x))
+    for i in range(4):
+        assert stage_of(g["params"]["decoder"][f"layers_{i}"]["proj"]["kernel"], mesh4x2) == i
+    assert stage_of(g["params"]["embed"]["kernel"], mesh4x2) == 0
+    tasks = {t for fr in lowered.plan.fragments for t in fr.tasks}
+    assert {t for t in tasks if "layers" in t} == {f"_Top/decoder/layers_{i}" for i in range(4)}

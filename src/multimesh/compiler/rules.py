@@ -1,9 +1,11 @@
-"""Implicit tasks: ``task_rules`` map named scopes (``jax.named_scope``, Flax module
+r"""Implicit tasks: ``task_rules`` map named scopes (``jax.named_scope``, Flax module
 paths such as ``layers_3``) to stages, without touching the model code.
 
 ``{regex: stage | callable(re.Match) -> stage}``. For each untagged equation, its scopes
 are tried innermost first, and for each scope the rules in order (``re.search``); the
-first match wins. An explicit ``mm.task`` always overrides a rule. Backward equations
+first match wins. A rule whose regex contains ``/`` is searched in the scope path down to
+that scope (``decoder/layers_(\d+)`` in ``Top/decoder/layers_3/proj``), others in the
+scope's own name. An explicit ``mm.task`` always overrides a rule. Backward equations
 carry their forward's scopes (under ``transpose``), so they follow.
 """
 
@@ -23,6 +25,21 @@ from multimesh import _compat
 from multimesh.tasks import MARKER, ByLayer, TaskRef
 
 _compat.register_exclusion(__file__)
+
+
+def _path_match(rx: re.Pattern, scopes: list[str], k: int) -> tuple[re.Match | None, str]:
+    """``rx`` searched in the scope path down to ``scopes[k]`` (``a/b/c``), and the
+    shortest such path it still matches (the task's name: one per matched module, e.g.
+    ``Top/decoder/layers_3`` for every equation inside that layer)."""
+    m = rx.search("/".join(scopes[: k + 1]))
+    if m is None:
+        return None, scopes[k]
+    while k > 0:
+        shorter = rx.search("/".join(scopes[:k]))
+        if shorter is None:
+            break
+        k, m = k - 1, shorter
+    return m, "/".join(scopes[: k + 1])
 
 
 class Rules:
@@ -57,11 +74,14 @@ class Rules:
         if key in self._memo:
             return self._memo[key]
         ref = None
-        for scope in reversed(scopes):
-            if MARKER in scope:
-                continue
+        clean = [s for s in scopes if MARKER not in s]
+        for k in reversed(range(len(clean))):
             for pat, rx, target in self.rules:
-                m = rx.search(scope)
+                scope = clean[k]
+                if "/" in pat:  # a path pattern: searched in the path down to this scope
+                    m, scope = _path_match(rx, clean, k)
+                else:
+                    m = rx.search(scope)
                 if m is None:
                     continue
                 if isinstance(target, ByLayer):
@@ -89,7 +109,11 @@ class Rules:
                     )
                 self.used[pat].add(scope)
                 self.assigned[scope] = stage
-                others = [p for p, r, _ in self.rules if p != pat and r.search(scope)]
+                others = [
+                    p
+                    for p, r, _ in self.rules
+                    if p != pat and (_path_match(r, clean, k)[0] if "/" in p else r.search(scope))
+                ]
                 if others:
                     self.overlaps[scope] = [pat, *others]
                     for p in others:  # matched, though another rule won: not unused
