@@ -23,6 +23,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1")
 #: files at the top of a single Orbax checkpoint (``multimesh.checkpoint.save``)
 _ONE_CHECKPOINT = ("_METADATA", "_CHECKPOINT_METADATA")
 
+
 def _int_at_least(low: int, what: str) -> Callable[[str], int]:
     """An argparse type: an integer >= ``low`` (``what`` names the bound in errors)."""
 
