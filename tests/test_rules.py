@@ -200,3 +200,30 @@ def test_path_rules_match_the_scope_path(mesh4x2):
     assert stage_of(g["params"]["embed"]["kernel"], mesh4x2) == 0
     tasks = {t for fr in lowered.plan.fragments for t in fr.tasks}
     assert {t for t in tasks if "layers" in t} == {f"_Top/decoder/layers_{i}" for i in range(4)}
+
+
+def test_path_rules_keep_inner_scopes_first(mesh4x2):
+    """Scopes are tried innermost first for path rules too: a rule for ``proj`` inside a
+    layer a path rule places wins there (the path rule matched the whole path at every
+    depth, so rule order decided, and ``proj``'s rule was reported as matching nothing);
+    overlap warnings name only scopes both rules match."""
+    model = _Top()
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    params = model.init(jax.random.key(1), x)
+    f = jax.value_and_grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2))
+    rules = {r"decoder/layers_(\d+)": lambda m: int(m[1]), r"^proj$": 3, r"^embed$": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        v, g = mm.jit(f, mesh=mesh4x2, task_rules=rules)(params, x)
+    assert_close((v, g), reference(f, mesh4x2, params, x))
+    for i in range(4):
+        assert stage_of(g["params"]["decoder"][f"layers_{i}"]["proj"]["kernel"], mesh4x2) == 3
+    # a path rule reaching into an inner scope is matched there, groups and all
+    rules = {r"decoder/layers_(\d+)(/proj)?": lambda m: 0 if m[2] else int(m[1])}
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        v, g = mm.jit(f, mesh=mesh4x2, task_rules=rules)(params, x)
+    assert not [w for w in rec if "task_rules" in str(w.message)], [str(w.message) for w in rec]
+    for i in range(4):
+        assert stage_of(g["params"]["decoder"][f"layers_{i}"]["proj"]["kernel"], mesh4x2) == 0
+    assert_close((v, g), reference(f, mesh4x2, params, x))

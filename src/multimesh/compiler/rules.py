@@ -4,9 +4,11 @@ paths such as ``layers_3``) to stages, without touching the model code.
 ``{regex: stage | callable(re.Match) -> stage}``. For each untagged equation, its scopes
 are tried innermost first, and for each scope the rules in order (``re.search``); the
 first match wins. A rule whose regex contains ``/`` is searched in the scope path down to
-that scope (``decoder/layers_(\d+)`` in ``Top/decoder/layers_3/proj``), others in the
-scope's own name. An explicit ``mm.task`` always overrides a rule. Backward equations
-carry their forward's scopes (under ``transpose``), so they follow.
+that scope, and counts where its match reaches into that scope's name
+(``decoder/layers_(\d+)`` at ``Top/decoder/layers_3``: one task for everything inside the
+layer, unless a rule matches an inner scope first); others in the scope's own name. An
+explicit ``mm.task`` always overrides a rule. Backward equations carry their forward's
+scopes (under ``transpose``), so they follow.
 """
 
 from __future__ import annotations
@@ -28,18 +30,16 @@ _compat.register_exclusion(__file__)
 
 
 def _path_match(rx: re.Pattern, scopes: list[str], k: int) -> tuple[re.Match | None, str]:
-    """``rx`` searched in the scope path down to ``scopes[k]`` (``a/b/c``), and the
-    shortest such path it still matches (the task's name: one per matched module, e.g.
-    ``Top/decoder/layers_3`` for every equation inside that layer)."""
-    m = rx.search("/".join(scopes[: k + 1]))
-    if m is None:
-        return None, scopes[k]
-    while k > 0:
-        shorter = rx.search("/".join(scopes[:k]))
-        if shorter is None:
-            break
-        k, m = k - 1, shorter
-    return m, "/".join(scopes[: k + 1])
+    r"""``rx`` searched in the scope path down to ``scopes[k]`` (``a/b/c``), counting only
+    a match that reaches into ``scopes[k]`` itself, so scopes stay tried innermost first
+    (``decoder/layers_(\d+)`` matches at ``.../layers_3``, not again at
+    ``.../layers_3/attn``, where a rule for ``attn`` comes first). The name is that path."""
+    path = "/".join(scopes[: k + 1])
+    last = len(path) - len(scopes[k])
+    for m in rx.finditer(path):
+        if m.end() > last:
+            return m, path
+    return None, scopes[k]
 
 
 class Rules:
