@@ -376,6 +376,17 @@ def test_eval_shape(mesh4x2):
     out = mm.jit(two_stage, mesh=mesh4x2).eval_shape(W, X)
     assert out.shape == (8,) and out.dtype == jnp.float32
 
+    def constrained(w, x):  # a bare spec: the function's mesh= gives it meaning
+        with mm.task("a", stage=0):
+            h = jax.lax.with_sharding_constraint(jnp.tanh(x @ w), P("data"))
+        with mm.task("b", stage=1):
+            return (h * 2).sum(axis=1)
+
+    f = mm.jit(jax.value_and_grad(lambda w, x: constrained(w, x).sum()), mesh=mesh4x2)
+    v, g = f.eval_shape(W, X)  # was "with_sharding_constraint requires a non-empty mesh"
+    assert (v.shape, g.shape) == ((), W.shape)
+    assert_close(f(W, X)[1], reference(jax.grad(lambda w, x: constrained(w, x).sum()), mesh4x2, W, X))
+
 
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 def test_args_info_in_avals_and_donation_like_jax_stages(mesh4x2):

@@ -470,17 +470,22 @@ class MpmdFunction:
     def _run_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fun(*args, **kwargs)`` as plain JAX (the reference), under this function's
         MultiMesh: what a call does under ``jax.disable_jit()``."""
+        return self._in_multimesh(lambda: self.fun(*args, **kwargs))
+
+    def _in_multimesh(self, run: Callable[[], Any]) -> Any:
+        """``run()`` under this function's MultiMesh (its mesh the current JAX mesh, so a
+        bare ``PartitionSpec`` means what it means in a call)."""
         mmesh = self.multimesh
         if mmesh is None:
-            return self.fun(*args, **kwargs)
+            return run()
         if not _compat.tracing():
             with mmesh:
-                return self.fun(*args, **kwargs)
+                return run()
         # under jax.grad / vmap (which disable_jit leaves tracing): JAX refuses set_mesh
         tok = set_active(mmesh)
         try:
             with _compat.mesh_context(mmesh.mesh):
-                return self.fun(*args, **kwargs)
+                return run()
         finally:
             reset_active(tok)
 
@@ -525,15 +530,16 @@ class MpmdFunction:
 
     @_compat.api_boundary
     def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
-        """The outputs' shapes and dtypes (tasks are transparent: no compilation). Static
-        arguments are passed as they are, as by ``jax.jit(...).eval_shape``."""
+        """The outputs' shapes and dtypes (tasks are transparent: no compilation), traced
+        under this function's MultiMesh as a call is. Static arguments are passed as they
+        are, as by ``jax.jit(...).eval_shape``."""
         call = self._signature.normalize(args, kwargs)
 
         def dynamic(dargs: tuple[Any, ...], dkw: dict[str, Any]) -> Any:
             full, kw = call.rebuild(dargs, dkw)
             return self.fun(*full, **kw)
 
-        return jax.eval_shape(dynamic, call.dyn_args, call.dyn_kwargs)
+        return self._in_multimesh(lambda: jax.eval_shape(dynamic, call.dyn_args, call.dyn_kwargs))
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         """As a method (``@partial(mm.jit, static_argnums=0)`` on a class): bound to the

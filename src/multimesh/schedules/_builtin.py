@@ -108,7 +108,7 @@ class ZeroBubbleH1(Schedule):
     microbatches (forward started, W not done): the peak 1F1B's first submesh has, so
     the pipeline's peak memory is 1F1B's (later submeshes hold more than under 1F1B).
     With equal F, B and W costs and M >= S the step takes 3M + S - 1 units: a bubble of
-    (S - 1) / (3M + S - 1), a third of 1F1B's."""
+    (S - 1) / (3M + S - 1), against 1F1B's (S - 1) / (M + S - 1)."""
 
     name: str = dataclasses.field(default="zero-bubble-h1", init=False)
     splits_backward: bool = dataclasses.field(default=True, init=False)
