@@ -243,6 +243,37 @@ def keys_and_pinned_inputs_over_processes() -> None:
     print("keys and pinned inputs over processes ok", flush=True)
 
 
+def offered_values_are_not_donated() -> None:
+    """A value sent to the other process and used again here afterwards (as the last use,
+    by an output of its shape) is not donated: the transport holds its buffer until the
+    peer pulls it, and a donation deleted it first ("CopyRawSubBufferToHost() called on
+    deleted or donated buffer", about half the runs of a Linen model with task_rules)."""
+    mmesh = mm.make_mesh((4, 2), ("stage", "data"))
+
+    def f(w, x):
+        with mm.task("a", stage=1):
+            h = jnp.tanh(x @ w)
+        with mm.task("b", stage=2):  # the other process
+            r = jnp.sum(h @ w)
+        with mm.task("c", stage=0):  # a round trip on this process before h's last use
+            z = jnp.sum(h)
+        with mm.task("d", stage=1):
+            h2 = jnp.sin(h) * z
+        return r, h2
+
+    g = mm.jit(f, mesh=mmesh)
+    w, x = np.eye(8, dtype=np.float32) * 0.5, np.ones((8, 8), np.float32)
+    with jax.default_device(jax.local_devices()[0]):
+        want = jax.jit(f)(w, x)
+    for i in range(3):
+        if i and jax.process_index() == 1:
+            time.sleep(1.5)  # pulls late: process 0 runs past h's last use meanwhile
+        got = mm.distributed.to_host(g(w, x))
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, np.asarray(b), rtol=1e-6)
+    print("offered values not donated ok", flush=True)
+
+
 def sharded_compiles_in_parallel() -> None:
     """A data-parallel pipeline (layouts XLA chooses, so transfer shardings wait for
     compiles) compiled on several threads per process when MULTIMESH_COMPILE_THREADS
@@ -370,6 +401,7 @@ def main() -> None:
         replicated_outputs_and_keys()
         keys_onto_a_submesh_over_processes()
         keys_and_pinned_inputs_over_processes()
+        offered_values_are_not_donated()
         sharded_compiles_in_parallel()
     if which == "quick" and jax.process_index() == 0:
         # a program on this process's devices only: no other process takes part

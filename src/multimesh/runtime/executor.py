@@ -129,6 +129,9 @@ class Executable:
         planned: dict[Any, compiling.Pending] = {}  # fragments keyed at planning time
         planned_r: dict[Any, compiling.Pending] = {}  # ... by their device-free keys
         donatable: set[int] = set()  # input slots of donated arguments
+        #: slots sent to another process: the transport holds their buffers until the
+        #: peer pulls them, so no later fragment here may donate them
+        offered: set[int] = set()
         borrowed: set[int] = set()  # slots holding the caller's buffers (or constants)
         #: slots whose buffers are donated to a later fragment (invalid after it runs)
         self.donated_slots: set[int] = set()
@@ -189,7 +192,7 @@ class Executable:
                 out_avals = [(tuple(v.aval.shape), v.aval.dtype) for v, _ in f.outputs]
                 donate_l = []
                 for k, i in enumerate(in_ids):
-                    if i not in st.free:
+                    if i not in st.free or i in offered:
                         continue
                     if i in donatable:
                         donate_l.append(k)
@@ -301,6 +304,11 @@ class Executable:
                         )
                     steps.append((_LATER, later, (), (), ()))
                 else:
+                    offered.update(
+                        src
+                        for src, _dst, _aval, _s, d in st.items
+                        if not loc.only(targets[d].mesh.devices.flat)
+                    )
 
                     def cross(st=st, step_no=step_no) -> tuple[Any, dict[int, Any]]:
                         run, dst_sh = crossproc.transfer_step(
