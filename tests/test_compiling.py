@@ -354,7 +354,7 @@ def test_an_error_with_jobs_queued_behind_others_does_not_hang():
     assert errors and isinstance(errors[0], ValueError)
 
 
-def tp_step(ws, x):
+def tp_step(ws, x, act=jnp.tanh):
     """Four stages, each a tensor-parallel pair of layers on a (2,)-device submesh."""
 
     def loss(ws, x):
@@ -363,7 +363,7 @@ def tp_step(ws, x):
             with mm.task(f"s{i}", stage=i):
                 a = jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec(None, "model"))
                 b = jax.lax.with_sharding_constraint(b, jax.sharding.PartitionSpec("model", None))
-                h = h + jnp.tanh(jnp.tanh(h @ a) @ b)
+                h = h + act(act(h @ a) @ b)
         return jnp.mean(h**2)
 
     v, g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1)(ws, x)
@@ -404,18 +404,7 @@ def nested_jit_step(ws, x):
     """``tp_step`` whose layers call a nested ``jax.jit`` (its ``ctx_mesh`` parameter is
     each stage's submesh once placed; ``jnp.take``, ``jnp.where``, ``jnp.tril`` are such
     jits)."""
-
-    def loss(ws, x):
-        h = x
-        for i, (a, b) in enumerate(ws):
-            with mm.task(f"s{i}", stage=i):
-                a = jax.lax.with_sharding_constraint(a, jax.sharding.PartitionSpec(None, "model"))
-                b = jax.lax.with_sharding_constraint(b, jax.sharding.PartitionSpec("model", None))
-                h = h + _nested_act(_nested_act(h @ a) @ b)
-        return jnp.mean(h**2)
-
-    v, g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=1)(ws, x)
-    return jax.tree.map(lambda w, d: w - 0.1 * d, ws, g), v
+    return tp_step(ws, x, act=_nested_act)
 
 
 def test_nested_jit_on_other_submeshes_is_relocated():
