@@ -401,9 +401,9 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
         )
     if not (path / "_METADATA").exists() and (path / "default" / "_METADATA").exists():
         path = path / "default"  # a CheckpointManager step (multimesh-run writes these)
-    elif not (path / "_METADATA").exists() and saved_steps(path):
+    elif not (path / "_METADATA").exists() and (steps := saved_steps(path)):
         raise ValueError(
-            f"{path} is a CheckpointManager directory (steps {saved_steps(path)}), not one "
+            f"{path} is a CheckpointManager directory (steps {steps}), not one "
             f"checkpoint: restore a step ({path}/STEP) or use CheckpointManager(...).restore"
         )
     with ocp.Checkpointer(_handler()) as ck:
