@@ -746,3 +746,68 @@ def test_interleaved_untagged_aux_consumed_on_another_submesh(nsub, chunks, M, a
         return mm.microbatch(vg, M, argnums=1, schedule="interleaved-1f1b", reduce="mean")(ws, x)
 
     assert_close(mm.jit(step, mesh=mesh)(ws, x), reference(step, mesh, ws, x), rtol=2e-5)
+
+
+def test_single_device_in_shardings_name_that_devices_submesh(mesh4x2):
+    """A SingleDeviceSharding in in_shardings means the submesh of that device (as a
+    NamedSharding on it would); jax.jit takes one too."""
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    x = np.arange(4.0, dtype=np.float32)
+    want = np.asarray(jax.jit(two_stage)(x, x))
+    for d in (0, 1):
+        sd = jax.sharding.SingleDeviceSharding(jax.devices()[d])
+        g = mm.jit(two_stage, mesh=mesh, in_shardings=(sd, None))
+        np.testing.assert_array_equal(g(x, x), want)
+        np.testing.assert_array_equal(g(jax.device_put(x, sd), x), want)
+
+
+def test_donating_a_captured_constant_donates_a_copy(mesh4x2):
+    """An argument donated while the function also captures that array: the program
+    needs the constant in this call and the next, so a copy is donated (with jax.jit's
+    kind of warning) instead of failing at run time."""
+    c = jnp.arange(4.0)
+
+    def f(x):
+        with mm.task("a", stage=0):
+            h = x * c
+        with mm.task("b", stage=1):
+            return h + c
+
+    g = mm.jit(f, mesh=mesh4x2, donate_argnums=0)
+    with pytest.warns(UserWarning, match=r"argument\(s\) \['x'\] are donated.*captures"):
+        np.testing.assert_array_equal(g(c), np.arange(4.0) ** 2 + np.arange(4.0))
+    assert not c.is_deleted()
+    y = jnp.ones(4)
+    np.testing.assert_array_equal(g(y), np.arange(4.0) * 2)  # the constant is intact
+    assert y.is_deleted()
+
+
+def test_overflowing_python_int_names_the_argument(mesh4x2):
+    def f(x, b):
+        return two_stage(x * b, x)
+
+    g = mm.jit(f, mesh=mesh4x2)
+    x = jnp.ones(4)
+    np.testing.assert_array_equal(g(x, 2), np.full(4, 5.0))
+    with pytest.raises(OverflowError, match="argument path is b"):
+        g(x, 2**40)
+
+
+def test_sub_byte_values_run_or_say_why(mesh4x2):
+    """int4 arguments and values between stages: right where this JAX can pass them
+    into compiled programs (0.12), a clear error naming the fragment where it cannot
+    (0.10's compiled calls refuse their layouts, also for plain jax.jit AOT calls)."""
+
+    def f(a, y):
+        with mm.task("a", stage=0):
+            h = (a.astype(jnp.float32) * 2).astype(jnp.int4)
+        with mm.task("b", stage=1):
+            return h.astype(jnp.float32) * y
+
+    a, y = jnp.ones(4, jnp.int4), jnp.arange(4.0)
+    g = mm.jit(f, mesh=mesh4x2)
+    if _compat.sub_byte_inputs_work():
+        np.testing.assert_array_equal(g(a, y), jax.jit(f)(a, y))
+    else:
+        with pytest.raises(ValueError, match=r"fragment 'a' .*dtype int4.*upgrade jax"):
+            g(a, y)

@@ -669,3 +669,41 @@ def test_repeated_lower_compile_keeps_no_old_programs(mesh4x2):
         counts.append((len(jax.live_arrays()), len(client.live_executables())))
     assert counts[-1] == counts[1], counts  # flat after the first
     assert f._cache_size() <= 2
+
+
+def test_jit_as_a_decorator_factory_with_compiler_options(mesh4x2):
+    """``@mm.jit(...)`` without the function returns a decorator (as jax.jit);
+    ``compiler_options`` reach every fragment's XLA compile (an unknown one fails there,
+    as under jax.jit); ``keep_unused`` is accepted."""
+
+    @mm.jit(mesh=mesh4x2, static_argnums=2, keep_unused=True)
+    def f(w, x, n):
+        return two_stage(w, x) * n
+
+    assert f.__name__ == "f"
+    assert_close(f(W, X, 3), reference(two_stage, mesh4x2, W, X) * 3)
+    ok = mm.jit(two_stage, mesh=mesh4x2, compiler_options={"xla_cpu_enable_fast_math": False})
+    assert_close(ok(W, X), reference(two_stage, mesh4x2, W, X))
+    bad = mm.jit(two_stage, mesh=mesh4x2, compiler_options={"not_an_xla_option": True})
+    with pytest.raises(Exception, match="not_an_xla_option"):
+        bad(W, X)
+    with pytest.raises(TypeError, match="keep_unused"):
+        mm.jit(two_stage, keep_unused="yes")
+
+
+def test_trace_and_lower_take_deleted_arrays(mesh4x2):
+    """As jax.jit(f).trace/.lower: a deleted (donated) argument's type is enough; a call
+    with it is still an error."""
+    d = jnp.ones((4, 4))
+    d.delete()
+    g = mm.jit(two_stage, mesh=mesh4x2)
+    assert g.trace(d, X).out_info.shape == (8,)
+    assert_close(g.lower(d, X).compile()(W, X), reference(two_stage, mesh4x2, W, X))
+    with pytest.raises(RuntimeError, match="deleted"):
+        g(d, X)
+
+
+def test_memory_analysis_of_a_program_without_fragments(mesh4x2):
+    mem = mm.jit(lambda a: a, mesh=mesh4x2).lower(X).compile().memory_analysis()
+    assert mem.temp_size_in_bytes == 0 and mem.argument_size_in_bytes == 0
+    assert mem.per_submesh == {} and mem.submesh is None

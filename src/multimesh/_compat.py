@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -243,6 +244,23 @@ def fast_call(compiled: Any) -> Callable[..., Any]:
         return compiled
     compiled._call = call
     return call
+
+
+@functools.cache
+def sub_byte_inputs_work() -> bool:
+    """Whether a compiled program takes a sub-byte array (int4) as input. jax 0.10's
+    ahead-of-time ``Compiled`` refuses them (it compares the array's layout, 0 bits per
+    element, with the program's, 4: "input layouts that disagree"), even its own
+    outputs; plain ``jax.jit`` calls skip that check. Probed once, on a tiny program."""
+    import jax.numpy as jnp
+
+    sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    try:
+        c = jax.jit(lambda a: a).lower(jax.ShapeDtypeStruct((2,), jnp.int4, sharding=sh))
+        c.compile()(jax.device_put(np.zeros(2, jnp.int4), sh)).block_until_ready()
+    except ValueError:
+        return False
+    return True
 
 
 def persistent_cache_on() -> bool:

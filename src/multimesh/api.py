@@ -30,6 +30,7 @@ from multimesh.arguments import (
     Call,
     DeletedArgument,
     Signature,
+    as_named,
     broadcast_prefix,
     check_no_stage_axis,
     check_spec_rank,
@@ -86,6 +87,7 @@ class MpmdFunction:
         donate_argnames: Sequence[str],
         in_shardings: Any,
         out_shardings: Any,
+        compiler_options: dict[str, Any] | None = None,
     ) -> None:
         if not callable(fun):
             raise TypeError(f"mm.jit needs a callable, got {type(fun).__name__}.")
@@ -105,10 +107,11 @@ class MpmdFunction:
         self._signature = Signature(
             fun, static_argnums, static_argnames, donate_argnums, donate_argnames
         )
-        self._in_shardings = in_shardings
-        self._out_shardings = out_shardings
         _check_sharding_tree(in_shardings, "in_shardings")
         _check_sharding_tree(out_shardings, "out_shardings")
+        self._in_shardings = as_named(in_shardings, "mm.jit(in_shardings=...)")
+        self._out_shardings = out_shardings
+        self._compiler_options = dict(compiler_options or {})
         if mesh is not None:
             self._check_stage_axis(mesh)
         self._lock = threading.RLock()
@@ -578,7 +581,7 @@ def _check_sharding_tree(tree: Any, what: str) -> None:
 
 
 def jit(
-    fun: Callable[..., Any],
+    fun: Callable[..., Any] | None = None,
     *,
     mesh: MultiMesh | None = None,
     task_rules: Any = None,
@@ -588,7 +591,9 @@ def jit(
     donate_argnames: str | Sequence[str] = (),
     in_shardings: Any = None,
     out_shardings: Any = None,
-) -> MpmdFunction:
+    keep_unused: bool = False,
+    compiler_options: dict[str, Any] | None = None,
+) -> Any:
     """Compile ``fun`` as one MPMD program whose tasks run on their submeshes.
 
     Arguments mean what they mean for ``jax.jit``: ``static_argnums``/``static_argnames``
@@ -600,8 +605,33 @@ def jit(
     pytree prefix of the outputs: a ``PartitionSpec`` on the producing submesh, a
     ``NamedSharding`` on a submesh or on the global mesh, ``None`` = where produced).
     ``mesh`` is the MultiMesh (default: the one active via ``with mmesh:``);
-    ``task_rules`` ``{regex: stage}`` place named scopes without editing the model.
+    ``task_rules`` ``{regex: stage}`` place named scopes without editing the model;
+    ``compiler_options`` go to every fragment's XLA compilation. ``keep_unused`` is
+    accepted as in ``jax.jit``: an argument the program does not use is never moved
+    or passed to a fragment either way, and a donated one is deleted (as jax.jit with
+    ``keep_unused=True``). Without ``fun``, returns a decorator (``@mm.jit(mesh=m)``).
     """
+    if fun is None:
+        return functools.partial(
+            jit,
+            mesh=mesh,
+            task_rules=task_rules,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+            donate_argnames=donate_argnames,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            keep_unused=keep_unused,
+            compiler_options=compiler_options,
+        )
+    if not isinstance(keep_unused, bool):
+        raise TypeError(f"mm.jit(keep_unused=...) takes a bool, got {keep_unused!r}.")
+    if compiler_options is not None and not isinstance(compiler_options, dict):
+        raise TypeError(
+            f"mm.jit(compiler_options=...) takes a dict of XLA options, got "
+            f"{type(compiler_options).__name__}."
+        )
 
     def tup(v: Any) -> tuple[Any, ...]:
         return (v,) if isinstance(v, (int, str)) else tuple(v)
@@ -616,4 +646,5 @@ def jit(
         tup(donate_argnames),
         in_shardings,
         out_shardings,
+        compiler_options,
     )

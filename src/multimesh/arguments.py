@@ -225,14 +225,14 @@ def leaf_key(x: Any, structs: bool = True) -> tuple[Any, ...]:
     sharding or None). Traced values and deleted (donated) arrays are errors, and so are
     ``jax.ShapeDtypeStruct``s unless ``structs`` (lowering takes them, calls do not)."""
     if type(x) is _ARRAY:  # the common case, without the isinstance checks below
-        if x.is_deleted():
+        if not structs and x.is_deleted():  # lowering needs only its type (as jax.jit)
             raise DeletedArgument()
         aval = x.aval
         return (aval.shape, aval.dtype, bool(aval.weak_type), x.sharding if x._committed else None)
     if isinstance(x, jax.Array):
         if isinstance(x, jax.core.Tracer):
             raise traced_error()
-        if x.is_deleted():
+        if not structs and x.is_deleted():
             raise DeletedArgument()
         committed = getattr(x, "committed", False)
         return (
@@ -307,9 +307,17 @@ def is_extended(dtype: Any) -> bool:
 def resolved_structs(flat: list[Any]) -> list[Any]:
     """``jax.ShapeDtypeStruct``s with a bare ``PartitionSpec`` get their sharding from the
     caller's mesh (``jax.set_mesh``) when read: read it here, in the caller's context, as
-    planning runs outside it."""
+    planning runs outside it. Deleted (donated) arrays become their structs: lowering
+    needs only their types, as ``jax.jit(f).lower`` does."""
     out = []
     for x in flat:
+        if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+            x = jax.ShapeDtypeStruct(
+                x.shape,
+                x.dtype,
+                sharding=x.sharding if getattr(x, "committed", False) else None,
+                weak_type=bool(getattr(x.aval, "weak_type", False)),
+            )
         if isinstance(x, jax.ShapeDtypeStruct):
             try:
                 sh = x.sharding
@@ -401,6 +409,27 @@ def check_spec_value(s: Any, what: str) -> None:
             f"{what}: expected a jax.sharding.Sharding, a PartitionSpec or None, got "
             f"{type(s).__name__} ({s!r})."
         )
+
+
+def as_named(tree: Any, what: str) -> Any:
+    """``tree`` with each one-device sharding that is not a ``NamedSharding``
+    (``SingleDeviceSharding``) made the ``NamedSharding`` of the same placement, so it
+    names the submesh of that device as a NamedSharding would; other kinds of sharding
+    over several devices are refused, naming ``what``."""
+
+    def one(s: Any) -> Any:
+        if not isinstance(s, Sharding) or isinstance(s, NamedSharding):
+            return s
+        devs = list(s.device_set)
+        if len(devs) == 1:
+            mesh = jax.sharding.Mesh(np.array(devs), ("_device",))
+            return NamedSharding(mesh, PartitionSpec())
+        raise TypeError(
+            f"{what}: {type(s).__name__} over {len(devs)} devices is not supported; give a "
+            "NamedSharding (or a PartitionSpec: the submesh that uses the value)."
+        )
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: x is None or _is_spec_leaf(x))
 
 
 def spec_axes(spec: PartitionSpec) -> set[str]:

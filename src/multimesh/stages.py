@@ -12,10 +12,12 @@ signature compiles nothing.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from multimesh import _compat
 from multimesh.arguments import (
@@ -269,6 +271,8 @@ class Lowered(_ArgsInfo):
         passed to each fragment's compilation, as ``jax.stages.Lowered.compile`` does).
         Seeds the ``mm.jit`` call cache for these arguments' signature."""
         fn = self._fn
+        # mm.jit(compiler_options=...) first, these over them (as jax.jit)
+        compiler_options = {**fn._compiler_options, **(compiler_options or {})} or None
         mmesh = fn.multimesh
         labels = self._labels
         put_sh = fn._put_shardings(labels, self._call, self._flat)
@@ -436,11 +440,30 @@ class Compiled(_ArgsInfo):
         return self.call_flat(flat)
 
     def call_flat(self, flat: Sequence[Any]) -> Any:
-        if _compat.checks_special():
-            return self._checked(lambda: self._run(self._exe, flat), flat)
-        if not self._donated:
-            return jax.tree_util.tree_unflatten(self.out_tree, self._exe(flat))
-        return jax.tree_util.tree_unflatten(self.out_tree, self._donating(self._exe, flat))
+        try:
+            if _compat.checks_special():
+                return self._checked(lambda: self._run(self._exe, flat), flat)
+            if not self._donated:
+                return jax.tree_util.tree_unflatten(self.out_tree, self._exe(flat))
+            return jax.tree_util.tree_unflatten(self.out_tree, self._donating(self._exe, flat))
+        except OverflowError as e:
+            raise self._overflow(flat, e) from None
+
+    def _overflow(self, flat: Sequence[Any], e: OverflowError) -> OverflowError:
+        """JAX's message for a Python int too large for its dtype, naming the argument
+        (as jax.jit does)."""
+        names = self._arg_names()
+        for i, x in enumerate(flat):
+            if type(x) is int and i < len(self._arg_avals):
+                try:
+                    np.asarray(x, dtype=self._arg_avals[i].dtype)
+                except OverflowError:
+                    return OverflowError(
+                        f"An overflow was encountered while parsing an argument to "
+                        f"mm.jit({self._fn._fun_name}), whose argument path is {names[i]}. "
+                        f"Got {type(x)} with value {x} ({e})."
+                    )
+        return e
 
     def record_flat(self, flat: Sequence[Any]) -> tuple[Any, Any]:
         """:meth:`record` on flat arguments."""
@@ -506,11 +529,45 @@ class Compiled(_ArgsInfo):
         under jax.jit, also where the plan could not reuse their buffers (copied to another
         submesh, used on two, returned): freed once the work using them is done."""
         self._check_donated_once(flat)
+        kept = self._constants_donated(flat) if self._exe.kept_constants() else ()
+        if kept:  # the program needs them again: donate copies, keep the arrays
+            flat = list(flat)
+            copies = _compat.fresh_copy([flat[i] for i in kept])
+            for i, c in zip(kept, copies):
+                flat[i] = c
+            names = self._arg_names()
+            warnings.warn(
+                f"argument(s) {[names[i] for i in kept]} are donated, but the function "
+                "also captures the same array(s) as constants, which later calls need: "
+                "they were not donated (as jax.jit warns of donated buffers it cannot use).",
+                stacklevel=4,
+            )
         out = run(flat)
         for i in self._donated:
             x = flat[i]
             if isinstance(x, jax.Array) and not x.is_deleted():
                 x.delete()
+        return out
+
+    def _constants_donated(self, flat: Sequence[Any]) -> list[int]:
+        """Donated arguments holding the buffers of a constant the function captures (a
+        closed-over array passed and donated too): donating them would free the
+        constant the program reads in this call and the next."""
+        consts = self._exe.kept_constants()
+        by_type: dict[Any, list[jax.Array]] = {}
+        for c in consts:
+            by_type.setdefault((c.shape, c.dtype), []).append(c)
+        out = []
+        for i in sorted(self._donated):
+            x = flat[i]
+            if not isinstance(x, jax.Array) or x.is_deleted():
+                continue
+            same = by_type.get((x.shape, x.dtype), ())
+            if not same:
+                continue
+            mine = _compat.buffer_pointers(x)
+            if any(c is x or mine & _compat.buffer_pointers(c) for c in same):
+                out.append(i)
         return out
 
     def _check_donated_once(self, flat: Sequence[Any]) -> None:
@@ -685,6 +742,13 @@ def _same_sharding(a: Any, b: Any, ndim: int) -> bool:
 
 _SUMMED_ONCE = ("generated_code_size_in_bytes", "host_generated_code_size_in_bytes")
 _PEAK = ("temp_size_in_bytes", "host_temp_size_in_bytes")
+#: the fields of jax's CompiledMemoryStats (reported as zeros for a program without
+#: fragments)
+_FIELDS = tuple(
+    f"{where}{what}_size_in_bytes"
+    for where in ("", "host_")
+    for what in ("argument", "output", "alias", "temp", "generated_code")
+)
 
 
 class MemoryAnalysis:
@@ -736,8 +800,8 @@ class MemoryAnalysis:
                     sub[n] += v if first else 0
                 else:
                     sub[n] += v
-        if not per_submesh:
-            return cls({}, {}, per_fragment, None)
+        if not per_submesh:  # no fragment ran XLA (inputs passed through): zeros
+            return cls(dict.fromkeys(names or _FIELDS, 0), {}, per_fragment, None)
 
         def total(d: dict[str, int]) -> int:
             return sum(

@@ -991,7 +991,12 @@ def _within_loop(groups, gid: int, order: list[int], labels, prog, sched: Any) -
     last = max((k for k, x in enumerate(order) if x in need), default=-1)
     first = min((k for k, x in enumerate(order) if x in feeds), default=len(order))
     if last >= first:
-        raise ValueError(_barrier_error(groups, gid, labels, prog, sched))
+        # GPipe (every forward, then every backward) cannot order it either when it
+        # needs a loop's backward work or feeds a loop's forward work
+        no_schedule = any(
+            groups[x].mb is not None and groups[x].phase != "F" for x in need
+        ) or any(groups[x].mb is not None and groups[x].phase == "F" for x in feeds)
+        raise ValueError(_barrier_error(groups, gid, labels, prog, sched, no_schedule))
     return order[: last + 1] + [gid] + order[last + 1 :]
 
 
@@ -1008,11 +1013,11 @@ def _loops_error(groups, gid: int, prog) -> str:
     )
 
 
-def _barrier_error(groups, gid: int, labels, prog, sched: Any) -> str:
+def _barrier_error(groups, gid: int, labels, prog, sched: Any, no_schedule: bool) -> str:
     g = groups[gid]
     name = sched[0].name if sched else None
     ops = sorted({prog.eqns[i].primitive.name for i in g.eqns})[:6]
-    if name == "gpipe":  # GPipe runs every forward first: the loop's work is not F then B
+    if name == "gpipe" or no_schedule:  # GPipe runs every forward first: not F then B
         return (
             f"the microbatch loop's work needs a value computed on stage {g.stage} from the "
             f"loop's whole output (operations {ops}) in a way no schedule can order: "

@@ -163,6 +163,7 @@ class Executable:
                 in_ids = [plan.slots[s] for s in f.inputs]
                 out_ids = [plan.slots[s] for s in f.outputs]
                 mesh = targets[f.stage].mesh
+                _check_sub_byte(f, info)
                 jaxpr, text, placed = self._fragment_jaxpr(
                     f, info.name, prog, labels, mesh, global_mesh, stage_axis, same_work
                 )
@@ -754,6 +755,10 @@ class Executable:
             _host.register(outs, self._uid, self._calls)
         return outs
 
+    def kept_constants(self) -> list[Any]:
+        """The device arrays of the constants kept between calls (captured arrays)."""
+        return [self._template[sid] for sid, _v, _s in self._kept]
+
     def fresh_env(self) -> list[Any]:
         """A call's slots: the constants kept between calls in place (put again if
         something deleted them, e.g. ``for a in jax.live_arrays(): a.delete()``)."""
@@ -875,6 +880,24 @@ def _named(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 def _rows(x: Any, *, start: int, stop: int) -> Any:
     return x[start:stop]
+
+
+def _check_sub_byte(f: Any, info: Any) -> None:
+    """A fragment taking a sub-byte value (int4) where this JAX's compiled programs
+    refuse such inputs: a clear error instead of JAX's layout mismatch at the call."""
+    for v, _ in f.inputs:
+        dt = getattr(v.aval, "dtype", None)
+        if dt is None or jax.dtypes.issubdtype(dt, jax.dtypes.extended):
+            continue
+        if jax.dtypes.itemsize_bits(dt) < 8 and not _compat.sub_byte_inputs_work():
+            raise ValueError(
+                f"fragment {info.name!r} (tasks {list(info.tasks)}) takes a value of dtype {dt}, "
+                f"{v.aval.str_short()}: this JAX ({jax.__version__}) cannot pass sub-byte "
+                "arrays into compiled programs (its compiled calls refuse their layouts; "
+                "newer JAX, e.g. 0.12, can). Convert it to int8 where it is made or "
+                "passed in (x.astype(jnp.int8)) and back inside the task that uses it, "
+                "or upgrade jax."
+            )
 
 
 def _small(aval: Any) -> bool:
