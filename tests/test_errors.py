@@ -314,3 +314,54 @@ def test_mutable_array_references(mesh4x2):
 
     with pytest.raises(ValueError, match=r"reference .* cannot cross tasks"):
         run(across, mesh4x2, x)
+
+
+@pytest.mark.parametrize(
+    "shape, names, words",
+    [
+        ((2, 2, 2), ("stage", "d", "d"), r"name \['d'\] more than once"),
+        ((2, 4), ("stage", "stage"), r"name \['stage'\] more than once"),
+        ((-1, 4), ("stage", "d"), r"positive int.*got \[-1\]"),
+        ((0, 4), ("stage", "d"), r"positive int.*got \[0\]"),
+        ((2.5, 4), ("stage", "d"), r"positive int.*got \[2.5\]"),
+    ],
+)
+def test_make_mesh_refuses_bad_shapes_and_repeated_axes(shape, names, words):
+    """Repeated axis names crashed XLA when compiling for a submesh (a segfault on jax
+    0.10); -1, 0 and fractions made odd meshes silently."""
+    with pytest.raises(ValueError, match=words):
+        mm.make_mesh(shape, names)
+
+
+def test_multimesh_refuses_repeated_axis_names():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("stage", "d", "d"))
+    with pytest.raises(ValueError, match=r"names axes \['d'\] more than once"):
+        mm.MultiMesh(mesh)
+
+
+def test_task_rules_keys_must_be_regexes():
+    with pytest.raises(TypeError, match="task_rules keys are regexes"):
+        mm.jit(lambda x: x, task_rules={1: 1})
+
+
+def test_transfer_guard_applies_to_the_callers_transfers_not_the_plans(mesh4x2):
+    """Moves between submeshes are the program's own (as jax.jit's collectives): a
+    caller's jax.transfer_guard does not refuse them, as it did every multi-stage call."""
+
+    def f(x):
+        with mm.task("a", stage=0):
+            y = jnp.tanh(x)
+        with mm.task("b", stage=1):
+            return y * 3
+
+    g = mm.jit(f, mesh=mesh4x2)
+    xs = jax.device_put(jnp.arange(8.0), NamedSharding(mesh4x2.submesh(0), P()))
+    want = reference(f, mesh4x2, jnp.arange(8.0))
+    g(xs)
+    for mode in ("disallow", "disallow_explicit"):
+        with jax.transfer_guard(mode):
+            assert_close(g(xs), want)
+            out, _timeline = g.record(xs)
+            assert_close(out, want)
+    with jax.transfer_guard("disallow_explicit"), pytest.raises(Exception, match="Disallowed"):
+        jax.device_put(xs, NamedSharding(mesh4x2.submesh(1), P()))  # the caller's own

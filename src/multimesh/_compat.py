@@ -246,6 +246,17 @@ def fast_call(compiled: Any) -> Callable[..., Any]:
     return call
 
 
+def transfers_guarded() -> bool:
+    """Whether the caller disallows device-to-device transfers (``jax.transfer_guard``)."""
+    v = _cfg.transfer_guard_device_to_device.value
+    return v is not None and "disallow" in str(v)
+
+
+def own_transfers_allowed() -> contextlib.AbstractContextManager[None]:
+    """Device-to-device transfers allowed (the runtime's moves between submeshes)."""
+    return jax.transfer_guard_device_to_device("allow")
+
+
 @functools.cache
 def sub_byte_inputs_work() -> bool:
     """Whether a compiled program takes a sub-byte array (int4) as input. jax 0.10's

@@ -37,6 +37,13 @@ class MultiMesh:
                 f"stage_axis {stage_axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}; "
                 "name one of its axes, e.g. mm.make_mesh((2, 4), ('stage', 'data'))."
             )
+        names = list(mesh.axis_names)
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:  # XLA crashes compiling for such a submesh
+            raise ValueError(
+                f"the mesh names axes {dup} more than once (axes {tuple(names)}); give each "
+                "axis its own name."
+            )
         types = getattr(mesh, "axis_types", None)
         if types is not None and any(t == AxisType.Explicit for t in types):
             raise ValueError(
@@ -123,10 +130,25 @@ def make_mesh(
     devices: Sequence[jax.Device] | None = None,
 ) -> MultiMesh:
     """Build a MultiMesh with Auto axes over ``devices`` (default: all devices)."""
+    bad = [
+        s for s in shape if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1
+    ]
+    if bad:
+        raise ValueError(
+            f"mesh shape {tuple(shape)}: every entry must be a positive int (the number of "
+            f"devices along that axis), got {bad}."
+        )
     shape = tuple(int(s) for s in shape)
     axis_names = tuple(axis_names)
+    if not all(isinstance(n, str) for n in axis_names):
+        raise TypeError(f"axis_names must be strings, got {axis_names}.")
     if len(shape) != len(axis_names):
         raise ValueError(f"shape {shape} and axis_names {axis_names} differ in length.")
+    dup = sorted({n for n in axis_names if axis_names.count(n) > 1})
+    if dup:
+        raise ValueError(
+            f"axis_names {axis_names} name {dup} more than once; give each axis its own name."
+        )
     n = int(np.prod(shape))
     devs = list(jax.devices() if devices is None else devices)
     if len(devs) < n:

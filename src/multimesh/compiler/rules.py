@@ -50,6 +50,11 @@ class Rules:
             raise TypeError("task_rules must be a dict {regex: stage | callable(match) -> stage}.")
         self.rules: list[tuple[str, re.Pattern, Any]] = []
         for pat, target in rules.items():
+            if not isinstance(pat, (str, re.Pattern)):
+                raise TypeError(
+                    f"task_rules keys are regexes (str) matched against scope names, got "
+                    f"{pat!r}."
+                )
             try:
                 rx = re.compile(pat)
             except re.error as e:

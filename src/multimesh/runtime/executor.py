@@ -727,6 +727,9 @@ class Executable:
         """
         from multimesh.runtime.record import record_run
 
+        if _compat.transfers_guarded():
+            with _compat.own_transfers_allowed():
+                return record_run(self, args)
         return record_run(self, args)
 
     def finish(self, env: list[Any]) -> list[Any]:
@@ -769,6 +772,15 @@ class Executable:
         return list(t)
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
+        if _compat.transfers_guarded():
+            # the plan's own moves between submeshes are the program's, not the caller's
+            # (jax.jit's collectives are not guarded either): a guard set by the caller
+            # applies to its arguments, not to them
+            with _compat.own_transfers_allowed():
+                return self._call(args)
+        return self._call(args)
+
+    def _call(self, args: Sequence[Any]) -> list[Any]:
         # numbered per plan, not per executor: two executors of one plan (the same
         # function jitted twice, or a variant for other input placements) never reuse a
         # (program, call) pair naming cross-process transfers and to_host outputs
