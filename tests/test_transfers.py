@@ -70,3 +70,25 @@ def test_packing_keeps_dtypes_and_weak_types(mesh4x2):
     got = g(x, s)
     assert_close(got, want)
     assert [a.dtype for a in got] == [a.dtype for a in want]
+
+
+def test_many_small_values_go_in_packs_of_bounded_size(mesh4x2):
+    """Hundreds of scalars crossing at one point go in packs of at most MAX_VALUES: one
+    pack of them all took XLA minutes to compile (quadratic in the slices of a buffer)."""
+    from multimesh.compiler import pack
+
+    n = pack.MAX_VALUES * 2 + 5
+
+    def f(x):
+        with mm.task("a", stage=0):
+            vals = [jnp.sum(x) * i for i in range(n)]
+        with mm.task("b", stage=1):
+            return sum(v * (i % 3) for i, v in enumerate(vals))
+
+    x = jnp.arange(4.0)
+    g = mm.jit(f, mesh=mesh4x2)
+    plan = g.lower(x).plan
+    assert sorted(t.values for t in plan.transfers) == [5, pack.MAX_VALUES, pack.MAX_VALUES]
+    with mesh4x2:
+        want = jax.jit(f)(x)
+    assert_close(g(x), want)
