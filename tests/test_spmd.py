@@ -401,3 +401,26 @@ def test_constraint_in_a_mesh_task_differentiated_in_a_microbatch_is_named(mesh4
     w, x = jnp.eye(8) / 2, jnp.ones((8, 8))
     with pytest.raises(ValueError, match=r"a sharding constraint differentiated inside mm.micro"):
         mm.jit(f, mesh=mesh4x2)(w, x, x)
+
+
+def test_a_split_value_stays_split_between_meshes_of_other_axes():
+    """A value split 4 ways over ('dp', 'tp') moving to a 4-device ('fsdp',) mesh goes
+    as P('fsdp') (a quarter on each device), not whole onto every device."""
+    devs = jax.devices()
+    ma = Mesh(np.array(devs[:4]).reshape(2, 2), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
+    mb = Mesh(np.array(devs[4:]), ("fsdp",), axis_types=(AxisType.Auto,))
+
+    def f(x):
+        with mm.task("a", mesh=ma):
+            h = jax.lax.with_sharding_constraint(x * 2, P(("dp", "tp")))
+        with mm.task("b", mesh=mb):
+            return jax.lax.with_sharding_constraint(jnp.tanh(h) + 1, P("fsdp"))
+
+    x = jnp.arange(64.0).reshape(16, 4) / 64
+    c = mm.jit(f).lower(x).compile()
+    (b_in,), _ = c.fragments[1].input_shardings
+    assert b_in.spec == P("fsdp"), b_in
+    want = jnp.tanh(x * 2) + 1
+    assert_close(c(x), want)
+    g = mm.jit(jax.grad(lambda x: f(x).sum()))
+    assert_close(g(x), jax.grad(lambda x: (jnp.tanh(x * 2) + 1).sum())(x))

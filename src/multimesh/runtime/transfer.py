@@ -27,10 +27,43 @@ def _spec_fits(spec: PartitionSpec, src_mesh: Any, dst: Mesh) -> bool:
 
 
 def dst_sharding(src: jax.sharding.Sharding, dst: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """The sharding a value gets on another submesh: the same layout where possible."""
-    if isinstance(src, NamedSharding) and _spec_fits(src.spec, src.mesh, dst):
+    """The sharding a value gets on another submesh: the same layout where possible;
+    else, per dimension, split as many ways over an axis of ``dst`` of that size (a
+    value split 4 ways over ``('dp', 'tp')`` goes to a 4-device ``('fsdp',)`` mesh as
+    ``P('fsdp')``, not whole onto every device), unsplit where no axis fits."""
+    if not isinstance(src, NamedSharding):
+        return NamedSharding(dst, PartitionSpec())
+    if _spec_fits(src.spec, src.mesh, dst):
         return NamedSharding(dst, src.spec)
-    return NamedSharding(dst, PartitionSpec())
+    return NamedSharding(dst, _remapped(src.spec, dict(src.mesh.shape), dict(dst.shape), shape))
+
+
+def _remapped(
+    spec: PartitionSpec, src: dict[str, int], dst: dict[str, int], shape: tuple[int, ...]
+) -> PartitionSpec:
+    dims: list[tuple[str, ...]] = []
+    for entry in spec:
+        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        if not isinstance(names, tuple) or not all(isinstance(n, str) for n in names):
+            return PartitionSpec()  # UNCONSTRAINED or an odd entry: replicate
+        dims.append(names)
+    # dimensions whose axes exist on dst with the same sizes keep them; the others take
+    # an unused dst axis of the same size
+    kept = [bool(ns) and all(dst.get(n) == src.get(n) for n in ns) for ns in dims]
+    used = {n for ns, k in zip(dims, kept) if k for n in ns}
+    entries: list[Any] = []
+    for d, (names, keep) in enumerate(zip(dims, kept)):
+        if not names or keep:
+            entries.append(spec[d] if keep else None)
+            continue
+        ways = int(np.prod([src.get(n, 1) for n in names]))
+        fit = next((n for n, size in dst.items() if size == ways and n not in used), None)
+        if fit is not None and d < len(shape) and shape[d] % ways == 0:
+            entries.append(fit)
+            used.add(fit)
+        else:
+            entries.append(None)
+    return PartitionSpec(*entries)
 
 
 def same_layout(
