@@ -386,9 +386,18 @@ def main() -> None:
             print("step", i, flush=True)
     if which == "layout":  # a submesh split over processes that hold another one too
         mmesh = mm.make_mesh((3, 2), ("stage", "data"))
-        mm.jit(lambda x: mm.task(lambda v: v * 2, name="t", stage=1)(x), mesh=mmesh)(
+        # ... that no task uses: not in the way
+        r = mm.jit(lambda x: mm.task(lambda v: v * 2, name="t", stage=1)(x), mesh=mmesh)(
             np.ones(4, np.float32)
         )
+        assert (mm.distributed.to_host(r) == 2).all()
+        print("unused submesh ok", flush=True)
+
+        def both(x):
+            y = mm.task(lambda v: v * 2, name="t0", stage=0)(x)
+            return mm.task(lambda v: v + 1, name="t1", stage=1)(y)
+
+        mm.jit(both, mesh=mmesh)(np.ones(4, np.float32))
     for name, fn, sched in programs:
         losses, leaves = fn(sched)
         print(name, "losses", losses, flush=True)

@@ -143,9 +143,13 @@ def test_every_program_and_schedule(layout, baseline, tmp_path):
 
 
 def test_unsupported_layout_is_a_clear_error(tmp_path):
+    """Submesh 1 of a (3, 2) mesh on 2 processes x 3 devices spans both processes, and
+    process 0 also holds submesh 0: a program using both is refused; one using only
+    submesh 1 runs (every submesh was checked, used or not)."""
     proc = launch(2, 3, str(tmp_path / "r.npz"), "layout", timeout=240)
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
+    assert "unsupported multi-process layout" in text and "unused submesh ok" in text, text
     assert "unsupported multi-process layout" in text and "spans processes [0, 1]" in text, text[
         -3000:
     ]
@@ -344,3 +348,60 @@ def test_to_host_keeps_recent_outputs_per_program(monkeypatch):
     live = [c for c in range(1, len(a) + 1) if _host._lookup(f"111:{c}:0") is not None]
     assert live == list(range(len(a) - keep + 1, len(a) + 1))
     assert _host._lookup(f"111:{len(a)}:0") is a[-1]
+
+
+def test_culprit_is_not_a_rank_aborted_after_its_peer():
+    """JAX's coordination client aborts (SIGABRT) the ranks whose peer died: the rank
+    that raised is named, not the aborted one; a segfault still comes first."""
+    from multimesh.distributed.launch import _culprit
+
+    abrt = -int(signal.SIGABRT)
+    assert _culprit([(0, 1), (1, abrt)], {0: 1.0}) == (0, 1)
+    assert _culprit([(1, abrt)], {}) == (1, abrt)
+    assert _culprit([(0, 1), (1, -int(signal.SIGSEGV))], {0: 1.0}) == (1, -int(signal.SIGSEGV))
+
+
+@pytest.mark.multiprocess
+def test_rank_0_failing_is_named_not_the_rank_aborted_after_it(tmp_path):
+    """Rank 0 (which hosts JAX's coordinator) raises: rank 1 is then aborted by JAX; the
+    launcher named rank 1 ("killed by signal 6")."""
+    script = tmp_path / "r0.py"
+    script.write_text(
+        "import time\nimport multimesh as mm\nmm.distributed.initialize()\nimport jax\n"
+        "if jax.process_index() == 0:\n    raise RuntimeError('bad config on rank 0')\n"
+        "time.sleep(60)\n"
+    )
+    proc = run(
+        [sys.executable, "-m", "multimesh.launch", "--nproc", "2", "--devices-per-process",
+         "1", str(script)],
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "multimesh.launch: rank 0 exited with code 1" in proc.stderr, output_tail(proc)
+
+
+@pytest.mark.parametrize("reply", [b"", b'{"index": [[[0, 4]]], "dtype": "<f4", "sizes": [16]}\n\0\0'])
+def test_to_host_names_a_peer_that_dies_mid_reply(monkeypatch, reply):
+    """A peer exiting while it answers (no reply, or part of a piece): the error names
+    it (was a reshape error of 0 bytes, or a bare ConnectionResetError)."""
+    import socket
+    import threading
+
+    from multimesh.distributed import _host
+
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        conn, _ = srv.accept()
+        conn.recv(100)
+        conn.sendall(reply)
+        conn.close()
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    monkeypatch.setitem(_host._PEERS, 1, srv.getsockname())
+    out, filled = np.zeros(4, np.float32), np.zeros(4, bool)
+    with pytest.raises(RuntimeError, match="process 1 closed the connection without answering"):
+        _host._fetch_from(1, "1:1:0", out, filled)
+    t.join(5)
+    srv.close()

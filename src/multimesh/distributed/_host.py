@@ -280,29 +280,45 @@ def _fetch(x: jax.Array, gid: str | None = None) -> np.ndarray:
     for q in owners:
         if filled.all():
             break
-        with socket.create_connection(_peer(q), timeout=330) as conn:
-            conn.sendall(gid.encode() + b"\n")
-            f = conn.makefile("rb")
-            line = f.readline()
-            if not line:
-                raise RuntimeError(
-                    f"mm.distributed.to_host: process {q} closed the connection without "
-                    "answering (did it fail or exit? see its log)"
-                )
-            head = json.loads(line)
-            if "error" in head:
-                raise RuntimeError(
-                    f"mm.distributed.to_host: process {q} no longer holds this output (it "
-                    f"keeps the outputs of its last {_KEEP_CALLS} calls per program); fetch "
-                    "it sooner."
-                )
-            for idx, size in zip(head["index"], head["sizes"]):
-                sl = tuple(slice(a, b) for a, b in idx)
-                data = f.read(size)
-                shape = tuple(b - a for a, b in idx)
-                out[sl] = np.frombuffer(data, dtype=np.dtype(head["dtype"])).reshape(shape)
-                filled[sl] = True
+        try:
+            _fetch_from(q, gid, out, filled)
+        except (OSError, json.JSONDecodeError) as e:  # reset, refused, cut short
+            raise RuntimeError(_closed(q) + f": {type(e).__name__}: {e}") from None
     return out
+
+
+def _closed(q: int) -> str:
+    return (
+        f"mm.distributed.to_host: process {q} closed the connection without answering "
+        "(did it fail or exit? see its log)"
+    )
+
+
+def _fetch_from(q: int, gid: str, out: np.ndarray, filled: np.ndarray) -> None:
+    """Read process ``q``'s pieces of output ``gid`` into ``out``."""
+    with socket.create_connection(_peer(q), timeout=330) as conn:
+        conn.sendall(gid.encode() + b"\n")
+        f = conn.makefile("rb")
+        line = f.readline()
+        if not line:
+            raise RuntimeError(_closed(q))
+        head = json.loads(line)
+        if "error" in head:
+            raise RuntimeError(
+                f"mm.distributed.to_host: process {q} no longer holds this output (it "
+                f"keeps the outputs of its last {_KEEP_CALLS} calls per program); fetch "
+                "it sooner."
+            )
+        for idx, size in zip(head["index"], head["sizes"]):
+            sl = tuple(slice(a, b) for a, b in idx)
+            data = f.read(size)
+            if len(data) != size:  # the peer went away mid-reply
+                raise RuntimeError(
+                    _closed(q) + f": got {len(data)} of {size} bytes of a piece"
+                )
+            shape = tuple(b - a for a, b in idx)
+            out[sl] = np.frombuffer(data, dtype=np.dtype(head["dtype"])).reshape(shape)
+            filled[sl] = True
 
 
 def to_host(tree: Any) -> Any:

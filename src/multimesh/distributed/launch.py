@@ -125,9 +125,11 @@ def _pump(stream, rank: int, out, tracebacks: dict[int, float] | None = None) ->
 
 
 def _culprit(bad: list[tuple[int, int]], tracebacks: dict[int, float]) -> tuple[int, int]:
-    """The failed rank to name: one killed by a signal (its peers fail after it, from
-    the broken connection), else the first to print a traceback, else the lowest."""
-    killed = [b for b in bad if b[1] < 0]
+    """The failed rank to name: one killed by a signal (a segfault, the OOM killer: its
+    peers fail after it, from the broken connection), else the first to print a
+    traceback, else one aborted (SIGABRT: how JAX's coordination client stops a process
+    whose peer, e.g. rank 0 with the coordinator, is gone), else the lowest."""
+    killed = [b for b in bad if b[1] < 0 and b[1] != -signal.SIGABRT]
     if killed:
         return killed[0]
     raised = sorted((tracebacks[r], r, c) for r, c in bad if r in tracebacks)
@@ -198,6 +200,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 time.sleep(0.5)
                 codes = [p.poll() for p in procs]
                 bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                # only aborts so far (JAX's coordination client stopping ranks whose
+                # peer is gone): give that peer a few seconds to exit and be named
+                until = time.monotonic() + 3
+                while (
+                    all(c == -signal.SIGABRT for _r, c in bad)
+                    and len(bad) < len(procs)
+                    and time.monotonic() < until
+                ):
+                    time.sleep(0.05)
+                    codes = [p.poll() for p in procs]
+                    bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
                 failed = _culprit(bad, tracebacks)
                 break
             if all(c is not None for c in codes):

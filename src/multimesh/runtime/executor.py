@@ -75,8 +75,9 @@ class Executable:
         targets = labels.targets
         #: multi-process: which devices are this process's (None: a single process)
         self._loc = loc = crossproc.locality()
-        if loc is not None:
-            crossproc.check_layout(loc, targets)
+        if loc is not None:  # the submeshes the program uses (values live on)
+            used = {s for (_v, s) in plan.slots} | {f.stage for f in plan.frags}
+            crossproc.check_layout(loc, [t for t in targets if t.index in used])
         self._calls = 0
         #: constants put once and kept between calls: (slot, host value, sharding)
         self._kept: list[tuple[int, Any, Any]] = []
