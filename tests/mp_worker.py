@@ -207,6 +207,40 @@ def keys_onto_a_submesh_over_processes() -> None:
     print("keys over processes ok", flush=True)
 
 
+def keys_between_processes() -> None:
+    """A typed key split on stage 0 and used on stage 1 (another process), in a training
+    step that carries its key as state: it was refused ("a PRNG key moves between
+    submeshes in different processes"); keys move as their data now."""
+    mmesh = mm.make_mesh((2, 4), ("stage", "data"))
+
+    def model(w, x, key):
+        with mm.task("a", stage=0):
+            h = jnp.tanh(x * w) * jax.random.bernoulli(jax.random.fold_in(key, 0), 0.8, x.shape)
+        with mm.task("b", stage=1):
+            return jnp.sum(h * jax.random.normal(jax.random.fold_in(key, 1), x.shape))
+
+    def step(w, x, key):
+        key, sub = jax.random.split(key)
+        v, g = jax.value_and_grad(model)(w, x, sub)
+        return w - 0.1 * g, v, key
+
+    x = np.linspace(0.0, 1.0, 8, dtype=np.float32)
+    f = mm.jit(step, mesh=mmesh)
+    w, key = np.float32(0.5), jax.random.key(7)
+    got = []
+    for _ in range(3):
+        w, v, key = f(w, x, key)
+        got.append(float(mm.distributed.to_host(v)))
+    with jax.default_device(jax.local_devices()[0]):
+        ref = jax.jit(step)
+        rw, rkey, want = np.float32(0.5), jax.random.key(7), []
+        for _ in range(3):
+            rw, rv, rkey = ref(rw, x, rkey)
+            want.append(float(rv))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    print("keys between processes ok", flush=True)
+
+
 def keys_and_pinned_inputs_over_processes() -> None:
     """A PRNG key an mm.jit call returned on the other process's submesh comes back
     with to_host (it was "not returned by an mm.jit call"); in_shardings on the other
@@ -319,6 +353,27 @@ def mismatched_placement() -> None:
     f(x)
 
 
+def checkpoint_misuse(d: str) -> None:
+    """A per-process value that differs between processes is refused by name (a
+    checkpoint kept one process's silently); a save on process 0 only is a clear error
+    on it once process 1 exits (it waited at a barrier for 30 minutes)."""
+    mmesh = mm.make_mesh((2, 4), ("stage", "data"))
+    f = mm.jit(lambda x: mm.task(lambda v: v * 2, name="t", stage=1)(x), mesh=mmesh)
+    ws = f(np.ones(8, np.float32))
+    me = jax.process_index()
+    same = {"ws": ws, "lr": np.float32(0.1), "step": 3}
+    mm.checkpoint.save(os.path.join(d, "same"), same)
+    try:
+        mm.checkpoint.save(os.path.join(d, "local"), {"ws": ws, "loc": jnp.full(4, float(me))})
+    except ValueError as e:
+        assert "['loc']" in str(e) and "differ between" in str(e), e
+        print("process-local values refused", flush=True)
+    man = mm.checkpoint.CheckpointManager(os.path.join(d, "man"))
+    if me == 1:
+        sys.exit(0)
+    man.save(1, {"ws": ws})
+
+
 def main() -> None:
     out = sys.argv[1]
     which = sys.argv[2] if len(sys.argv) > 2 else "all"
@@ -384,6 +439,8 @@ def main() -> None:
                 sys.exit(3)
             ws = f(ws, np.ones((8, 8), np.float32))
             print("step", i, flush=True)
+    if which == "ckpt-misuse":
+        checkpoint_misuse(os.path.dirname(os.path.abspath(out)))
     if which == "layout":  # a submesh split over processes that hold another one too
         mmesh = mm.make_mesh((3, 2), ("stage", "data"))
         # ... that no task uses: not in the way
@@ -409,6 +466,7 @@ def main() -> None:
     if which == "quick":
         replicated_outputs_and_keys()
         keys_onto_a_submesh_over_processes()
+        keys_between_processes()
         keys_and_pinned_inputs_over_processes()
         offered_values_are_not_donated()
         sharded_compiles_in_parallel()

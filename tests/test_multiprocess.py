@@ -111,6 +111,7 @@ def test_two_processes_match_one(baseline, tmp_path):
     # outputs replicated over every submesh, and a PRNG key passed through and fed back
     assert proc.stdout.count("replicated outputs ok") == 2, proc.stdout[-2000:]
     assert proc.stdout.count("keys over processes ok") == 2, output_tail(proc)
+    assert proc.stdout.count("keys between processes ok") == 2, output_tail(proc)
     assert proc.stdout.count("keys and pinned inputs over processes ok") == 2, output_tail(proc)
     assert "[rank 0] local-only ok" in proc.stdout, proc.stdout[-2000:]
     # each process compiled its own fragments only (not the other's: known layouts)
@@ -405,3 +406,17 @@ def test_to_host_names_a_peer_that_dies_mid_reply(monkeypatch, reply):
         _host._fetch_from(1, "1:1:0", out, filled)
     t.join(5)
     srv.close()
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_misuse_is_a_clear_error(tmp_path):
+    """Values of one process only that differ between processes are refused (one was
+    kept silently); a CheckpointManager.save behind ``if process_index() == 0`` fails
+    naming the process that did not take part once it exits (it hung 30 minutes)."""
+    t0 = time.monotonic()
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "ckpt-misuse", timeout=240)
+    text = proc.stdout + proc.stderr
+    assert proc.stdout.count("process-local values refused") == 2, output_tail(proc)
+    assert proc.returncode != 0
+    assert "process 1 exited without taking part" in text, output_tail(proc)
+    assert time.monotonic() - t0 < 90

@@ -25,6 +25,8 @@ extra keys, other shapes or dtypes) is a clear error naming the keys.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,7 +37,6 @@ import numpy as np
 
 from multimesh import _compat
 from multimesh.runtime import crossproc
-from multimesh.runtime.transport import kv_client
 
 _compat.register_exclusion(__file__)
 
@@ -361,6 +362,10 @@ def save(
     ocp = _ocp()
     path = Path(path).absolute()
     accept_mpmd_arrays()
+    if jax.process_count() > 1:
+        n = _SAVES[path] = _SAVES.get(path, 0) + 1
+        key = f"multimesh/save/{_compat.stable_hash(str(path))}/{n}"
+        _agree(key, state, f"mm.checkpoint.save({str(path)!r})")
     with ocp.Checkpointer(_handler()) as ck:
         ck.save(
             path,
@@ -368,6 +373,52 @@ def save(
             force=force,
             custom_metadata={"step": step},
         )
+
+
+#: multi-process saves started per path (names their host barriers)
+_SAVES: dict[Path, int] = {}
+
+
+def _agree(key: str, state: Any, what: str, step: int | None = None) -> None:
+    """Multi-process: every process reaches this save (a process that skips it, e.g.
+    behind ``if jax.process_index() == 0``, or exits, is a clear error instead of a
+    hang), with the same step, and with the same values in the leaves that are not
+    global arrays (host values, uncommitted arrays: a checkpoint keeps one copy of
+    them, so a value that differs per process would come back as another's)."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    local = {
+        jax.tree_util.keystr(path): _digest(x) for path, x in leaves if _process_local(x)
+    }
+    mine = json.dumps({"step": step, "local": local}, sort_keys=True)
+    theirs = crossproc.exchange_with_all(key, mine, what)
+    for p, raw in sorted(theirs.items()):
+        got = json.loads(raw)
+        if got["step"] != step:
+            raise ValueError(
+                f"{what}: process {p} saves step {got['step']} at the same point; every "
+                "process must save the same steps."
+            )
+        differ = sorted(k for k, d in got["local"].items() if local.get(k) not in (None, d))
+        if differ:
+            raise ValueError(
+                f"{what}: {differ} are values of this process only (host values or "
+                f"uncommitted arrays, not global arrays) and differ between this process "
+                f"and process {p}; a checkpoint keeps one copy of each. Save the same "
+                "value on every process, or make it a global array (e.g. an mm.jit "
+                "output), or save it per process under its own path."
+            )
+
+
+def _process_local(x: Any) -> bool:
+    if isinstance(x, jax.Array):
+        return not getattr(x, "committed", True) and x.is_fully_addressable
+    return isinstance(x, (np.ndarray, np.generic, int, float, complex, bool))
+
+
+def _digest(x: Any) -> str:
+    is_key = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    a = np.asarray(jax.random.key_data(x) if is_key else x)
+    return hashlib.sha256(f"{a.dtype}{a.shape}".encode() + a.tobytes()).hexdigest()[:32]
 
 
 def _check_has_leaves(state: Any, what: str) -> None:
@@ -516,7 +567,7 @@ class CheckpointManager:
             )
         accept_mpmd_arrays()
         if jax.process_count() > 1:
-            self._settle(state)
+            self._settle(state, step)
         return bool(
             self._m.save(step, args=self._ocp.args.PyTreeSave(_without_empty(state)), force=force)
         )
@@ -527,7 +578,7 @@ class CheckpointManager:
         self.wait_until_finished()
         self._m.delete(_step_number(step))
 
-    def _settle(self, state: Any) -> None:
+    def _settle(self, state: Any, step: int) -> None:
         """Multi-process: wait until every process's ``state`` is computed, with a host
         barrier (the coordination service), before Orbax's own barrier, which is a
         device collective: started while another process still pulls this step's
@@ -536,7 +587,7 @@ class CheckpointManager:
         jax.block_until_ready([x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)])
         self._saves += 1
         key = f"multimesh/checkpoint/{_compat.stable_hash(str(self.directory))}/{self._saves}"
-        kv_client().wait_at_barrier(key, int(crossproc.peer_timeout_s() * 1000))
+        _agree(key, state, f"CheckpointManager.save({step})", step=step)
 
     def latest_step(self) -> int | None:
         """The newest complete step (interrupted saves, and saves still in flight, are

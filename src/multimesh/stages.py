@@ -30,7 +30,7 @@ from multimesh.arguments import (
     placement_text,
     traced_error,
 )
-from multimesh.compiler import accumulate, host_inputs, layers, pack, place
+from multimesh.compiler import accumulate, host_inputs, keys, layers, pack, place
 from multimesh.compiler import fragment as frag_pass
 from multimesh.compiler import label as label_pass
 from multimesh.compiler import plan as plan_pass
@@ -215,6 +215,7 @@ class Lowered(_ArgsInfo):
                 prog, labels = prog2, labels2
                 placement = place.place(prog, labels, locs, default, follow=follow)
         frags = frag_pass.fragment(prog, placement, labels, traced.loops, split_shared=split)
+        prog, labels, placement, frags = keys.keys_as_data(prog, labels, placement, frags)
         prog, labels, placement, frags = pack.pack_transfers(prog, labels, placement, frags)
         self._prog, self._labels = prog, labels
         self.plan: plan_pass.Plan = plan_pass.build_plan(

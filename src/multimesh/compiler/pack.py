@@ -42,11 +42,7 @@ def pack_transfers(
     prog: FlatProgram, labels: Labels, placement: Placement, frags: list[Fragment]
 ) -> tuple[FlatProgram, Labels, Placement, list[Fragment]]:
     """Batch each fragment's small outgoing values per destination into one transfer."""
-    produced_in: dict[tuple[Any, int], int] = {}
-    for k, f in enumerate(frags):
-        for i in f.eqns:
-            for o in prog.eqns[i].outvars:
-                produced_in[(o, f.stage)] = k
+    produced_in = producers(prog, frags)
     # (producer fragment, dst, dtype, weak) -> vars
     batches: dict[tuple[int, int, Any, bool], list[Any]] = {}
     for v, src, dst in placement.transfers:
@@ -67,72 +63,106 @@ def pack_transfers(
     if not batches:
         return prog, labels, placement, frags
 
-    eqns = list(prog.eqns)
-    tasks, stages = list(labels.tasks), list(labels.stages)
-    task_meshes, mbs = list(labels.task_meshes), list(labels.microbatch or [None] * len(eqns))
-    virtual = list(labels.virtual or [None] * len(eqns))
-    instances = [list(x) for x in placement.instances]
-    frags = [dataclasses.replace(f, eqns=list(f.eqns), inputs=[], outputs=[]) for f in frags]
+    ed = ProgramEdit(prog, labels, placement, frags)
     producer_eqn = {o: i for i, e in enumerate(prog.eqns) for o in e.outvars}
     moved: set[tuple[Any, int]] = set()
     new_transfers: list[tuple[Any, int, int]] = []
     packed_counts: dict[Any, int] = dict(placement.packed)
 
-    def add(new_eqns: list[Any], like: int | None, stage: int) -> list[int]:
-        """Append equations labelled like eqn ``like`` (``None``: untagged)."""
-        ids = []
-        for e in new_eqns:
-            eqns.append(e)
-            tasks.append(labels.tasks[like] if like is not None else None)
-            stages.append(labels.stages[like] if like is not None else None)
-            task_meshes.append(labels.task_meshes[like] if like is not None else None)
-            mbs.append(mbs[like] if like is not None else None)
-            virtual.append(virtual[like] if like is not None else None)
-            instances.append([stage])
-            ids.append(len(eqns) - 1)
-        return ids
-
     for (k, dst, _dtype, _weak, _chunk), vs in batches.items():
-        src = frags[k].stage
+        src = ed.frags[k].stage
         # pack at the end of the producer
         pack_eqns, packed = _pack_eqns(vs, prog.eqns[producer_eqn[vs[0]]])
-        frags[k].eqns.extend(add(pack_eqns, producer_eqn[vs[0]], src))
+        ed.frags[k].eqns.extend(ed.add(pack_eqns, producer_eqn[vs[0]], src))
         new_transfers.append((packed, src, dst))
         packed_counts[packed] = len(vs)
         moved.update((v, dst) for v in vs)
         # unpack at the start of the first fragment on dst that uses one of them
-        want = set(vs)
-        first = next(
-            (
-                j
-                for j, f in enumerate(frags)
-                if f.stage == dst
-                and any(a in want for i in f.eqns for a in eqns[i].invars if not _lit(a))
-            ),
-            None,
-        )
-        if first is None:  # only program outputs need them on dst: a fragment of their own
-            frags.append(Fragment(stage=dst, level=frags[k].level + 1, eqns=[]))
-            first = len(frags) - 1
-        like = eqns[frags[first].eqns[0]] if frags[first].eqns else prog.eqns[producer_eqn[vs[0]]]
+        first = ed.first_user(set(vs), dst, k)
+        like = ed.like(first, prog.eqns[producer_eqn[vs[0]]])
         # untagged, with the consumer's name stack: it runs on dst, in the consumer's phase
-        ids = add(_unpack_eqns(vs, packed, like), None, dst)
-        frags[first].eqns[:0] = ids
+        ed.frags[first].eqns[:0] = ed.add(_unpack_eqns(vs, packed, like), None, dst)
     transfers = [t for t in placement.transfers if (t[0], t[2]) not in moved] + new_transfers
-    new_prog = dataclasses.replace(prog, eqns=eqns)
-    new_labels = dataclasses.replace(
-        labels,
-        tasks=tasks,
-        stages=stages,
-        task_meshes=task_meshes,
-        microbatch=mbs,
-        virtual=virtual,
-    )
-    new_placement = dataclasses.replace(
-        placement, instances=instances, transfers=transfers, packed=packed_counts
-    )
-    wire(new_prog, new_placement, frags)
-    return new_prog, new_labels, new_placement, frags
+    return ed.result(transfers, packed_counts)
+
+
+def producers(prog: FlatProgram, frags: list[Fragment]) -> dict[tuple[Any, int], int]:
+    """(value, stage) -> the fragment making it there."""
+    out: dict[tuple[Any, int], int] = {}
+    for k, f in enumerate(frags):
+        for i in f.eqns:
+            for o in prog.eqns[i].outvars:
+                out[(o, f.stage)] = k
+    return out
+
+
+class ProgramEdit:
+    """Equations added to a program and its fragments (copies: the inputs stay as they
+    are), with the labels, placement and slots that go with them."""
+
+    def __init__(
+        self, prog: FlatProgram, labels: Labels, placement: Placement, frags: list[Fragment]
+    ) -> None:
+        self.prog, self.labels, self.placement = prog, labels, placement
+        n = len(prog.eqns)
+        self.eqns = list(prog.eqns)
+        self.tasks, self.stages = list(labels.tasks), list(labels.stages)
+        self.task_meshes = list(labels.task_meshes)
+        self.mbs = list(labels.microbatch or [None] * n)
+        self.virtual = list(labels.virtual or [None] * n)
+        self.instances = [list(x) for x in placement.instances]
+        self.frags = [
+            dataclasses.replace(f, eqns=list(f.eqns), inputs=[], outputs=[]) for f in frags
+        ]
+
+    def add(self, new_eqns: list[Any], like: int | None, stage: int) -> list[int]:
+        """Append equations labelled like eqn ``like`` (``None``: untagged)."""
+        lab = self.labels
+        ids = []
+        for e in new_eqns:
+            self.eqns.append(e)
+            self.tasks.append(lab.tasks[like] if like is not None else None)
+            self.stages.append(lab.stages[like] if like is not None else None)
+            self.task_meshes.append(lab.task_meshes[like] if like is not None else None)
+            self.mbs.append(self.mbs[like] if like is not None else None)
+            self.virtual.append(self.virtual[like] if like is not None else None)
+            self.instances.append([stage])
+            ids.append(len(self.eqns) - 1)
+        return ids
+
+    def first_user(self, want: set[Any], dst: int, producer: int) -> int:
+        """The first fragment on ``dst`` reading one of ``want`` (a new fragment after
+        ``producer``'s level where only program outputs need them there)."""
+        for j, f in enumerate(self.frags):
+            if f.stage == dst and any(
+                a in want for i in f.eqns for a in self.eqns[i].invars if not _lit(a)
+            ):
+                return j
+        self.frags.append(Fragment(stage=dst, level=self.frags[producer].level + 1, eqns=[]))
+        return len(self.frags) - 1
+
+    def like(self, frag: int, default: Any) -> Any:
+        """The equation whose source info new equations at the start of ``frag`` take."""
+        f = self.frags[frag]
+        return self.eqns[f.eqns[0]] if f.eqns else default
+
+    def result(
+        self, transfers: list[tuple[Any, int, int]], packed: dict[Any, int]
+    ) -> tuple[FlatProgram, Labels, Placement, list[Fragment]]:
+        new_prog = dataclasses.replace(self.prog, eqns=self.eqns)
+        new_labels = dataclasses.replace(
+            self.labels,
+            tasks=self.tasks,
+            stages=self.stages,
+            task_meshes=self.task_meshes,
+            microbatch=self.mbs,
+            virtual=self.virtual,
+        )
+        new_placement = dataclasses.replace(
+            self.placement, instances=self.instances, transfers=transfers, packed=packed
+        )
+        wire(new_prog, new_placement, self.frags)
+        return new_prog, new_labels, new_placement, self.frags
 
 
 def _lit(a: Any) -> bool:
@@ -143,9 +173,9 @@ def _pack_eqns(vs: list[Any], like: Any) -> tuple[list[Any], Any]:
     def pack(*xs: Any) -> Any:
         return jnp.concatenate([jnp.ravel(x) for x in xs])
 
-    closed = jax.make_jaxpr(pack)(*[_sds(v.aval) for v in vs])
+    closed = jax.make_jaxpr(pack)(*[sds(v.aval) for v in vs])
     out = closed.jaxpr.outvars[0]
-    eqns, env = _instantiate(closed, dict(zip(closed.jaxpr.invars, vs)), {}, like)
+    eqns, env = instantiate(closed, dict(zip(closed.jaxpr.invars, vs)), {}, like)
     return eqns, env[out]
 
 
@@ -159,18 +189,18 @@ def _unpack_eqns(vs: list[Any], packed: Any, like: Any) -> list[Any]:
             off += n
         return outs
 
-    closed = jax.make_jaxpr(unpack)(_sds(packed.aval))
-    eqns, _env = _instantiate(
+    closed = jax.make_jaxpr(unpack)(sds(packed.aval))
+    eqns, _env = instantiate(
         closed, {closed.jaxpr.invars[0]: packed}, dict(zip(closed.jaxpr.outvars, vs)), like
     )
     return eqns
 
 
-def _sds(aval: Any) -> jax.ShapeDtypeStruct:
+def sds(aval: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=getattr(aval, "weak_type", False))
 
 
-def _instantiate(
+def instantiate(
     closed: Any, env: dict[Any, Any], outs: dict[Any, Any], like: Any
 ) -> tuple[list[Any], dict[Any, Any]]:
     """The equations of a small traced function with fresh variables, inputs replaced by

@@ -137,6 +137,35 @@ def check_same_plan(
 _GONE = object()
 
 
+def exchange_with_all(key: str, value: str, what: str) -> dict[int, str]:
+    """Every process's ``value`` under ``key`` (a host barrier that also carries a value):
+    a process that exits first, or has not set it within ``MULTIMESH_PLAN_TIMEOUT``, is
+    a clear error naming it and ``what`` (a plain barrier waited out the whole timeout,
+    half an hour, when one process skipped a collective step)."""
+    me, n = jax.process_index(), jax.process_count()
+    kv = tp.kv_client()
+    kv.key_value_set(f"{key}/{me}", value)
+    timeout_s = peer_timeout_s()
+    out = {me: value}
+    for p in range(n):
+        if p == me:
+            continue
+        raw = _poll(kv, f"{key}/{p}", timeout_s, gone=_exiting_key(p))
+        if raw is _GONE:
+            raise RuntimeError(
+                f"{what}: process {p} exited without taking part. Every process must call "
+                "it, with the same arguments (not only process 0)."
+            )
+        if raw is None:
+            raise RuntimeError(
+                f"{what}: process {p} did not take part within {timeout_s:.0f} s "
+                "(MULTIMESH_PLAN_TIMEOUT). Every process must call it, with the same "
+                "arguments (not only process 0)."
+            )
+        out[p] = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return out
+
+
 def _exiting_key(process: int) -> str:
     from multimesh.distributed._host import exiting_key
 
