@@ -813,3 +813,27 @@ def test_microbatch_state_in_keyword_and_closed_over_arguments(mesh4x2):
     # a keyword that is not an identifier
     kw = lambda x, p: mm.microbatch(lambda x, **k: x.sum() * k["a-b"], 2)(x, **{"a-b": p})  # noqa: E731
     assert_close(mm.jit(kw, mesh=mesh4x2)(x, jnp.float32(2)), jax.jit(kw)(x, jnp.float32(2)))
+
+
+def test_microbatch_in_a_nested_jit_traced_before_outside_mm_jit():
+    """A framework's own jit (nnx.jit, jax.jit) holding the microbatch loop, run first
+    as the reference: JAX's trace cache handed mm.jit that trace (the loop as a
+    lax.scan), refused as tasks inside a 'scan' body. mm.jit traces nested jits anew."""
+    mmesh = stage_mesh(2)
+    ws = weights(2)
+    x, y = data(4)
+    grad = mm.microbatch(jax.value_and_grad(mlp(2)), 2, argnums=(1, 2))
+
+    @jax.jit
+    def inner(ws, x, y):
+        return grad(ws, x, y)
+
+    def step(ws, x, y):
+        return inner(ws, x, y)
+
+    with mmesh:
+        want = jax.jit(step)(ws, x, y)
+    got = mm.jit(step, mesh=mmesh)(ws, x, y)
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with mmesh:  # and the reference after it still runs its own trace
+        assert_close(jax.jit(step)(ws, x, y), want, rtol=1e-6, atol=1e-7)

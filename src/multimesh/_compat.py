@@ -631,6 +631,20 @@ def trace_context() -> Any:
     return _config.trace_context()
 
 
+def traces_of_their_own() -> contextlib.AbstractContextManager[Any]:
+    """A context in which nested ``jax.jit`` functions are traced anew, not taken from
+    JAX's trace cache of calls outside ``mm.jit`` (nor give theirs to them): the same
+    code traces differently there (``mm.microbatch`` unrolls its loop under ``mm.jit``
+    and is a ``lax.scan`` outside it), but JAX keys its cache only by its own settings.
+    So one of those settings changes while ``mm.jit`` traces, in a way that changes
+    nothing else: the regex removed from source file names in HLO metadata (part of
+    JAX's trace context, read only when lowering) gets an alternative that never
+    matches."""
+    state = _cfg.hlo_source_file_canonicalization_regex
+    cur = state.value
+    return state("(?!)@mm" if cur is None else f"(?:{cur})|(?!)@mm")
+
+
 def caller_config() -> Callable[[Callable[[], Any]], Callable[[], Any]]:
     """Wrap jobs for another thread so that they see this thread's JAX settings.
 

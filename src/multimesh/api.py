@@ -221,7 +221,12 @@ class MpmdFunction:
         tok = set_active(mmesh)
         try:
             state = TraceState(mmesh)
-            with _compat.no_mesh_context(), tracing(state), contextlib.ExitStack() as es:
+            with (
+                _compat.no_mesh_context(),
+                _compat.traces_of_their_own(),
+                tracing(state),
+                contextlib.ExitStack() as es,
+            ):
                 if mmesh is not None:  # as in the reference, `with mmesh: jax.jit(f)`
                     es.enter_context(_compat.set_mesh(mmesh.mesh))
                 try:

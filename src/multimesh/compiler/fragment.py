@@ -244,15 +244,20 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
     if segments is not None and len(_topo_positions(groups, strict=True)) < len(groups):
         raise _Cyclic
 
+    # levels never decrease along an edge (merging keeps that: a group joins its
+    # successor's level): a search for h need not go past h's level
+    by_level = all(groups[c].level >= g.level for g in groups for c in g.succ)
+
     def reaches_via_other(g: int, h: int) -> bool:
         """Is there a path g -> x -> ... -> h with x != h?"""
         seen: set[int] = set()
+        top = groups[h].level if by_level else None
         stack = [x for x in groups[g].succ if x != h]
         while stack:
             x = stack.pop()
             if x == h:
                 return True
-            if x in seen:
+            if x in seen or (top is not None and groups[x].level > top):
                 continue
             seen.add(x)
             stack.extend(groups[x].succ)
@@ -318,9 +323,7 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
                 if same and not sends(gid) and not reaches_via_other(gid, h):
                     merge(h, gid)  # run g's work with h
                     changed = True
-                    break
-            if changed:
-                break
+                    break  # g is gone: on to the next group (another pass follows)
     # independent same-key leftovers with no dependency (e.g. two unrelated pieces)
     # stay separate: they are ordered by level.
 

@@ -41,6 +41,36 @@ def _fragment_deps(plan: Any) -> list[set[int]]:
     return deps
 
 
+class _Live(list):
+    """A call's slots that keep count, as they are set and freed, of the bytes and the
+    microbatches each submesh holds (a sum over every slot after every step made
+    recording quadratic in the plan's size)."""
+
+    def __init__(self, values, slot_stage, slot_bytes, slot_mb, stages) -> None:
+        super().__init__([None] * len(values))
+        self._stage, self._nbytes, self._mb = slot_stage, slot_bytes, slot_mb
+        self.bytes = {s: 0 for s in stages}
+        self.mbs: dict[int, dict[Any, int]] = {s: {} for s in stages}
+        for i, v in enumerate(values):
+            self[i] = v
+
+    def __setitem__(self, i: int, v: Any) -> None:  # type: ignore[override]
+        was = list.__getitem__(self, i) is not None
+        list.__setitem__(self, i, v)
+        now = v is not None
+        s = self._stage.get(i)
+        if was == now or s not in self.bytes:
+            return
+        sign = 1 if now else -1
+        self.bytes[s] += sign * self._nbytes[i]
+        mb = self._mb.get(i)
+        if mb is not None:
+            held = self.mbs[s]
+            held[mb] = held.get(mb, 0) + sign
+            if not held[mb]:
+                del held[mb]
+
+
 def record_run(exe: Any, args: Sequence[Any]) -> tuple[list[Any], Timeline]:
     from multimesh.runtime.executor import _RUN
 
@@ -75,7 +105,7 @@ def record_run(exe: Any, args: Sequence[Any]) -> tuple[list[Any], Timeline]:
         peak_bytes = {s: 0 for s in stages}
         peak_mbs = {s: 0 for s in stages}
         run_frag = {n: k for k, n in enumerate(exe._run_index)}
-        env = exe.fresh_env()
+        env = _Live(exe.fresh_env(), slot_stage, slot_bytes, slot_mb, stages)
         t_origin = time.perf_counter()
         for n, (code, fn, ins, outs, free) in enumerate(exe._steps):
             if code == _RUN:
@@ -88,16 +118,9 @@ def record_run(exe: Any, args: Sequence[Any]) -> tuple[list[Any], Timeline]:
                 queues[plan.frags[k].stage].put((k, keep))
             else:
                 fn(env, args)
-            live_b = {s: 0 for s in stages}
-            live_m: dict[int, set] = {s: set() for s in stages}
-            for i, x in enumerate(env):
-                if x is not None and i in slot_stage and slot_stage[i] in live_b:
-                    live_b[slot_stage[i]] += slot_bytes[i]
-                    if slot_mb.get(i) is not None:
-                        live_m[slot_stage[i]].add(slot_mb[i])
             for s in stages:
-                peak_bytes[s] = max(peak_bytes[s], live_b[s])
-                peak_mbs[s] = max(peak_mbs[s], len(live_m[s]))
+                peak_bytes[s] = max(peak_bytes[s], env.bytes[s])
+                peak_mbs[s] = max(peak_mbs[s], len(env.mbs[s]))
             for i in free:
                 env[i] = None
         outputs = exe.finish(env)
