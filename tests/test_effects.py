@@ -133,3 +133,27 @@ def test_record_that_raises_leaves_no_threads_or_arrays_behind(monkeypatch):
     gc.collect()  # the failed calls' tracebacks
     assert threading.active_count() == threads
     assert len(jax.live_arrays()) <= live
+
+
+@pytest.mark.parametrize("x", [[0.0, 1.0, 2.0, 6.0], [1.0, 2.0, 6.0, 4.0], [1.0, 1.0, 1.0, 1.0]])
+def test_checkify_errors_from_several_tasks_can_be_read(x):
+    """checkify checks in tasks on two submeshes: the Error's leaves come back on one
+    submesh, so err.get() combines them (it failed with "incompatible devices" when both
+    checks fired), with jax.jit's message."""
+    from jax.experimental import checkify
+
+    mmesh = mm.make_mesh((4, 2), ("stage", "data"))
+
+    def chk(x):
+        with mm.task("a", stage=0):
+            checkify.check(jnp.all(x > 0), "x must be positive {}", x[0])
+            y = x * 2
+        with mm.task("b", stage=1):
+            checkify.check(jnp.all(y < 10), "y too big")
+            return y + 1
+
+    x = jnp.asarray(x)
+    err, out = mm.jit(checkify.checkify(chk), mesh=mmesh)(x)
+    want_err, want = jax.jit(checkify.checkify(chk))(x)
+    assert err.get() == want_err.get()
+    np.testing.assert_array_equal(out, want)

@@ -645,6 +645,15 @@ def traces_of_their_own() -> contextlib.AbstractContextManager[Any]:
     return state("(?!)@mm" if cur is None else f"(?:{cur})|(?!)@mm")
 
 
+def checkify_error_type() -> type | None:
+    """``checkify.Error``, once the program has imported checkify (else ``None``: no
+    output can be one, and checkify is not imported for nothing)."""
+    import sys
+
+    mod = sys.modules.get("jax._src.checkify")
+    return getattr(mod, "Error", None) if mod is not None else None
+
+
 def caller_config() -> Callable[[Callable[[], Any]], Callable[[], Any]]:
     """Wrap jobs for another thread so that they see this thread's JAX settings.
 

@@ -290,8 +290,23 @@ class MpmdFunction:
 
     def _out_sharding_leaves(self, traced: Traced) -> list[Any]:
         n = traced.out_tree.num_leaves
+        leaves = self._user_out_sharding_leaves(traced)
+        mmesh = self.multimesh
+        errors = _checkify_error_leaves(traced.out_tree)
+        if errors and mmesh is not None:
+            # a checkify.Error's leaves come from the tasks that check: together on one
+            # submesh, so err.get() / err.throw() can combine them (as under jax.jit)
+            home = NamedSharding(mmesh.submesh(0), PartitionSpec())
+            leaves = list(leaves) if leaves is not None else [None] * n
+            for i in errors:
+                if leaves[i] is None:
+                    leaves[i] = home
+        return leaves if leaves is not None else [None] * n
+
+    def _user_out_sharding_leaves(self, traced: Traced) -> list[Any] | None:
+        n = traced.out_tree.num_leaves
         if self._out_shardings is None:
-            return [None] * n
+            return None
         dummy = jax.tree_util.tree_unflatten(traced.out_tree, [0] * n)
         leaves = broadcast_prefix(
             self._out_shardings, dummy, f"mm.jit(out_shardings=...) of {self._fun_name!r}"
@@ -578,6 +593,21 @@ def _abstract(key: Hashable) -> Hashable:
 
 def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, (PartitionSpec, jax.sharding.Sharding))
+
+
+def _checkify_error_leaves(out_tree: Any) -> list[int]:
+    """Flat output positions of the leaves of ``checkify.Error`` values (none unless
+    the program imported checkify)."""
+    error = _compat.checkify_error_type()
+    if error is None:
+        return []
+    n = out_tree.num_leaves
+    dummy = jax.tree_util.tree_unflatten(out_tree, list(range(n)))
+    out: list[int] = []
+    for node in jax.tree_util.tree_leaves(dummy, is_leaf=lambda x: isinstance(x, error)):
+        if isinstance(node, error):
+            out.extend(jax.tree_util.tree_leaves(node))
+    return out
 
 
 def _check_sharding_tree(tree: Any, what: str) -> None:
