@@ -365,3 +365,10 @@ def test_transfer_guard_applies_to_the_callers_transfers_not_the_plans(mesh4x2):
             assert_close(out, want)
     with jax.transfer_guard("disallow_explicit"), pytest.raises(Exception, match="Disallowed"):
         jax.device_put(xs, NamedSharding(mesh4x2.submesh(1), P()))  # the caller's own
+    # a host argument is the caller's transfer: refused, as jax.jit refuses it
+    g(np.ones(8, np.float32))
+    with (
+        jax.transfer_guard("disallow"),
+        pytest.raises(ValueError, match="Disallowed host-to-device transfer: argument x"),
+    ):
+        g(np.ones(8, np.float32))

@@ -706,4 +706,5 @@ def test_trace_and_lower_take_deleted_arrays(mesh4x2):
 def test_memory_analysis_of_a_program_without_fragments(mesh4x2):
     mem = mm.jit(lambda a: a, mesh=mesh4x2).lower(X).compile().memory_analysis()
     assert mem.temp_size_in_bytes == 0 and mem.argument_size_in_bytes == 0
+    assert mem.peak_memory_in_bytes == 0
     assert mem.per_submesh == {} and mem.submesh is None

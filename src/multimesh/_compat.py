@@ -252,6 +252,13 @@ def transfers_guarded() -> bool:
     return v is not None and "disallow" in str(v)
 
 
+def host_transfers_disallowed() -> bool:
+    """Whether the caller refuses implicit host-to-device transfers (``jax.jit`` then
+    refuses host arguments: NumPy arrays, Python scalars)."""
+    v = _cfg.transfer_guard_host_to_device.value
+    return v is not None and "disallow" in str(v)
+
+
 def own_transfers_allowed() -> contextlib.AbstractContextManager[None]:
     """Device-to-device transfers allowed (the runtime's moves between submeshes)."""
     return jax.transfer_guard_device_to_device("allow")

@@ -441,6 +441,8 @@ class Compiled(_ArgsInfo):
         return self.call_flat(flat)
 
     def call_flat(self, flat: Sequence[Any]) -> Any:
+        if _compat.host_transfers_disallowed():
+            self._check_host_guard(flat)
         try:
             if _compat.checks_special():
                 return self._checked(lambda: self._run(self._exe, flat), flat)
@@ -449,6 +451,18 @@ class Compiled(_ArgsInfo):
             return jax.tree_util.tree_unflatten(self.out_tree, self._donating(self._exe, flat))
         except OverflowError as e:
             raise self._overflow(flat, e) from None
+
+    def _check_host_guard(self, flat: Sequence[Any]) -> None:
+        """Host arguments under ``jax.transfer_guard('disallow')``: refused, as jax.jit
+        refuses their implicit transfer (mm.jit puts them explicitly)."""
+        for i, x in enumerate(flat):
+            if not isinstance(x, jax.Array) and i < len(self._arg_avals):
+                raise ValueError(
+                    f"Disallowed host-to-device transfer: argument {self._arg_names()[i]} "
+                    f"of mm.jit({self._fn._fun_name}) is a host value "
+                    f"({type(x).__name__}) and jax.transfer_guard disallows moving it to "
+                    "the devices implicitly; jax.device_put it first."
+                )
 
     def _overflow(self, flat: Sequence[Any], e: OverflowError) -> OverflowError:
         """JAX's message for a Python int too large for its dtype, naming the argument
@@ -749,7 +763,7 @@ _FIELDS = tuple(
     f"{where}{what}_size_in_bytes"
     for where in ("", "host_")
     for what in ("argument", "output", "alias", "temp", "generated_code")
-)
+) + ("peak_memory_in_bytes",)
 
 
 class MemoryAnalysis:

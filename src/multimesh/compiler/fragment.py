@@ -995,10 +995,11 @@ def _within_loop(groups, gid: int, order: list[int], labels, prog, sched: Any) -
     first = min((k for k, x in enumerate(order) if x in feeds), default=len(order))
     if last >= first:
         # GPipe (every forward, then every backward) cannot order it either when it
-        # needs a loop's backward work or feeds a loop's forward work
-        no_schedule = any(
-            groups[x].mb is not None and groups[x].phase != "F" for x in need
-        ) or any(groups[x].mb is not None and groups[x].phase == "F" for x in feeds)
+        # needs this loop's backward work or feeds this loop's forward work
+        mine = set(order)
+        no_schedule = any(groups[x].phase != "F" for x in need & mine) or any(
+            groups[x].phase == "F" for x in feeds & mine
+        )
         raise ValueError(_barrier_error(groups, gid, labels, prog, sched, no_schedule))
     return order[: last + 1] + [gid] + order[last + 1 :]
 

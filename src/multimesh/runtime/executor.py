@@ -774,9 +774,9 @@ class Executable:
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         if _compat.transfers_guarded():
-            # the plan's own moves between submeshes are the program's, not the caller's
-            # (jax.jit's collectives are not guarded either): a guard set by the caller
-            # applies to its arguments, not to them
+            # the plan's moves between submeshes (and of arguments to the submeshes
+            # using them) are the program's, as jax.jit's collectives and argument
+            # placement: a caller's device-to-device guard does not refuse them
             with _compat.own_transfers_allowed():
                 return self._call(args)
         return self._call(args)
