@@ -424,3 +424,16 @@ def test_a_split_value_stays_split_between_meshes_of_other_axes():
     assert_close(c(x), want)
     g = mm.jit(jax.grad(lambda x: f(x).sum()))
     assert_close(g(x), jax.grad(lambda x: (jnp.tanh(x * 2) + 1).sum())(x))
+    # ... and onto a 2 x 2 mesh of other names: over both of its axes
+    mc = Mesh(np.array(devs[4:]).reshape(2, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+
+    def f2(x):
+        with mm.task("a", mesh=ma):
+            h = jax.lax.with_sharding_constraint(x * 2, P(("dp", "tp")))
+        with mm.task("b", mesh=mc):
+            return jnp.tanh(h) + 1
+
+    c2 = mm.jit(f2).lower(x).compile()
+    (b_in,), _ = c2.fragments[1].input_shardings
+    assert b_in.spec == P(("x", "y")), b_in
+    assert_close(c2(x), want)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import jax
@@ -57,10 +58,19 @@ def _remapped(
             entries.append(spec[d] if keep else None)
             continue
         ways = int(np.prod([src.get(n, 1) for n in names]))
-        fit = next((n for n, size in dst.items() if size == ways and n not in used), None)
+        free = [n for n in dst if n not in used]
+        fit = next(
+            (
+                axes
+                for k in range(1, len(free) + 1)
+                for axes in itertools.combinations(free, k)
+                if int(np.prod([dst[n] for n in axes])) == ways
+            ),
+            None,
+        )
         if fit is not None and d < len(shape) and shape[d] % ways == 0:
-            entries.append(fit)
-            used.add(fit)
+            entries.append(fit[0] if len(fit) == 1 else fit)
+            used.update(fit)
         else:
             entries.append(None)
     return PartitionSpec(*entries)
