@@ -378,6 +378,11 @@ def test_in_shardings_on_a_submesh_place_the_argument_there(mesh4x2):
     unused = mm.jit(lambda a, b: b * 2, mesh=mesh4x2, in_shardings=(on2, None))
     with pytest.raises(ValueError, match=r"argument a: .* partitioned 2 times"):
         unused(jnp.ones(3), x)
+    # a bare spec too (it named 'args[0]' and the library's compile call on jax 0.12)
+    spec = mm.jit(lambda a: mm.task(lambda v: v * 2, name="t", stage=1)(a), mesh=mesh4x2,
+                  in_shardings=jax.P("data"))
+    with pytest.raises(ValueError, match=r"argument a \(the submesh of stage 1\): .* partitioned"):
+        spec(jnp.ones((5, 3)))
     # used by a task on another stage: put there, then moved
     g = mm.jit(two_stage, mesh=mesh4x2, in_shardings=(on2, None))
     assert_close(g(x, x), reference(two_stage, mesh4x2, x, x))

@@ -340,7 +340,7 @@ class MpmdFunction:
             frozenset(int(d.id) for d in mmesh.mesh.devices.flat) if mmesh is not None else None
         )
 
-        def chooser(s: Any, name: str) -> Any:
+        def chooser(s: Any, name: str, shape: tuple[int, ...]) -> Any:
             if s is None:
                 return None
 
@@ -376,11 +376,19 @@ class MpmdFunction:
                         f"in_shardings for argument {name}: {spec} names {missing}, which "
                         f"{where} (axes {tuple(mesh.axis_names)}) lacks."
                     )
-                return NamedSharding(mesh, spec)
+                out = NamedSharding(mesh, spec)
+                try:  # as jax.jit: a spec that does not divide the argument names it
+                    out.shard_shape(shape)
+                except ValueError as e:
+                    raise ValueError(f"in_shardings for argument {name} ({where}): {e}") from None
+                return out
 
             return pick
 
-        return [chooser(s, n) for s, n in zip(leaves, names)]
+        return [
+            chooser(s, n, tuple(getattr(x, "shape", ())))
+            for s, n, x in zip(leaves, names, flat)
+        ]
 
     def _pinned(self, labels: Labels, call: Call, flat: list[Any]) -> list[tuple[int, bool] | None]:
         """Per flat leaf: the submesh its ``in_shardings`` entry names (a NamedSharding on
