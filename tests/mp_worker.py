@@ -361,13 +361,24 @@ def checkpoint_misuse(d: str) -> None:
     f = mm.jit(lambda x: mm.task(lambda v: v * 2, name="t", stage=1)(x), mesh=mmesh)
     ws = f(np.ones(8, np.float32))
     me = jax.process_index()
-    same = {"ws": ws, "lr": np.float32(0.1), "step": 3}
+    same = {"ws": ws, "lr": np.float32(0.1), "step": 3, "name": "run"}
     mm.checkpoint.save(os.path.join(d, "same"), same)
-    try:
-        mm.checkpoint.save(os.path.join(d, "local"), {"ws": ws, "loc": jnp.full(4, float(me))})
+    local = jax.device_put(np.full(4, float(me), np.float32), jax.local_devices()[0])
+    for k, v in (("loc", jnp.full(4, float(me))), ("tag", f"rank{me}"), ("dev", local)):
+        try:
+            mm.checkpoint.save(os.path.join(d, f"local-{k}"), {"ws": ws, k: v})
+        except ValueError as e:
+            assert f"['{k}']" in str(e) and "differ between" in str(e), e
+            print("process-local values refused", k, flush=True)
+    try:  # one directory per process is not one checkpoint: refused, not a hang
+        mm.checkpoint.save(os.path.join(d, f"rank{me}"), {"ws": ws})
     except ValueError as e:
-        assert "['loc']" in str(e) and "differ between" in str(e), e
-        print("process-local values refused", flush=True)
+        assert "save to the same path on every process" in str(e), e
+        print("per-process paths refused", flush=True)
+    for step in (1, 2):  # a second manager on the same directory (it failed: key reused)
+        with mm.checkpoint.CheckpointManager(os.path.join(d, "two")) as m2:
+            m2.save(step, {"ws": ws})
+    print("second manager ok", flush=True)
     man = mm.checkpoint.CheckpointManager(os.path.join(d, "man"))
     if me == 1:
         sys.exit(0)
@@ -449,6 +460,19 @@ def main() -> None:
         )
         assert (mm.distributed.to_host(r) == 2).all()
         print("unused submesh ok", flush=True)
+        # ... unless out_shardings sends an output there
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        to1 = NamedSharding(mmesh.submesh(1), PartitionSpec())
+        try:
+            mm.jit(
+                lambda x: mm.task(lambda v: v * 2, name="t", stage=2)(x),
+                mesh=mmesh,
+                out_shardings=to1,
+            )(np.ones(4, np.float32))
+        except ValueError as e:
+            assert "unsupported multi-process layout" in str(e), e
+            print("out_shardings onto it refused", flush=True)
 
         def both(x):
             y = mm.task(lambda v: v * 2, name="t0", stage=0)(x)

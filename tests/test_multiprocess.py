@@ -151,6 +151,7 @@ def test_unsupported_layout_is_a_clear_error(tmp_path):
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "unsupported multi-process layout" in text and "unused submesh ok" in text, text
+    assert text.count("out_shardings onto it refused") == 2, text
     assert "unsupported multi-process layout" in text and "spans processes [0, 1]" in text, text[
         -3000:
     ]
@@ -360,6 +361,11 @@ def test_culprit_is_not_a_rank_aborted_after_its_peer():
     assert _culprit([(0, 1), (1, abrt)], {0: 1.0}) == (0, 1)
     assert _culprit([(1, abrt)], {}) == (1, abrt)
     assert _culprit([(0, 1), (1, -int(signal.SIGSEGV))], {0: 1.0}) == (1, -int(signal.SIGSEGV))
+    # seen gone first wins: a rank that really aborts (os.abort, an XLA CHECK) before
+    # its peers fail with tracebacks; one leaving by os._exit(3) without a traceback
+    assert _culprit([(0, 1), (1, abrt)], {0: 1.0}, {1: 5.0, 0: 5.2}) == (1, abrt)
+    assert _culprit([(0, 1), (1, 3)], {0: 1.0}, {1: 5.0, 0: 5.2}) == (1, 3)
+    assert _culprit([(0, 1), (1, abrt)], {0: 1.0}, {0: 5.0, 1: 5.0}) == (0, 1)
 
 
 @pytest.mark.multiprocess
@@ -416,7 +422,10 @@ def test_checkpoint_misuse_is_a_clear_error(tmp_path):
     t0 = time.monotonic()
     proc = launch(2, 4, str(tmp_path / "r.npz"), "ckpt-misuse", timeout=240)
     text = proc.stdout + proc.stderr
-    assert proc.stdout.count("process-local values refused") == 2, output_tail(proc)
+    for k in ("loc", "tag", "dev"):
+        assert proc.stdout.count(f"process-local values refused {k}") == 2, output_tail(proc)
+    assert proc.stdout.count("per-process paths refused") == 2, output_tail(proc)
+    assert proc.stdout.count("second manager ok") == 2, output_tail(proc)
     assert proc.returncode != 0
     assert "process 1 exited without taking part" in text, output_tail(proc)
     assert time.monotonic() - t0 < 90

@@ -26,6 +26,7 @@ extra keys, other shapes or dtypes) is a clear error naming the keys.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Sequence
@@ -363,9 +364,7 @@ def save(
     path = Path(path).absolute()
     accept_mpmd_arrays()
     if jax.process_count() > 1:
-        n = _SAVES[path] = _SAVES.get(path, 0) + 1
-        key = f"multimesh/save/{_compat.stable_hash(str(path))}/{n}"
-        _agree(key, state, f"mm.checkpoint.save({str(path)!r})")
+        _agree(path, state, f"mm.checkpoint.save({str(path)!r})")
     with ocp.Checkpointer(_handler()) as ck:
         ck.save(
             path,
@@ -375,24 +374,40 @@ def save(
         )
 
 
-#: multi-process saves started per path (names their host barriers)
-_SAVES: dict[Path, int] = {}
+#: multi-process saves this process has started (numbers their host exchanges: every
+#: process makes the same saves in the same order)
+_SAVES = itertools.count(1)
 
 
-def _agree(key: str, state: Any, what: str, step: int | None = None) -> None:
+def _agree(path: Path, state: Any, what: str, step: int | None = None) -> None:
     """Multi-process: every process reaches this save (a process that skips it, e.g.
     behind ``if jax.process_index() == 0``, or exits, is a clear error instead of a
-    hang), with the same step, and with the same values in the leaves that are not
-    global arrays (host values, uncommitted arrays: a checkpoint keeps one copy of
-    them, so a value that differs per process would come back as another's)."""
+    hang), with the same path and step, and with the same values in the leaves that are
+    not global arrays (host values, uncommitted arrays, arrays on one process's own
+    devices: a checkpoint keeps one copy of them, so a value that differs per process
+    would come back as another's)."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(state)
-    local = {
-        jax.tree_util.keystr(path): _digest(x) for path, x in leaves if _process_local(x)
-    }
-    mine = json.dumps({"step": step, "local": local}, sort_keys=True)
+    local: dict[str, str] = {}
+    for keypath, x in leaves:
+        if _process_local(x):
+            local[jax.tree_util.keystr(keypath)] = _digest(x)
+        elif isinstance(x, jax.Array) and x.is_fully_addressable:
+            # on this process's devices only: the same devices on every process (an
+            # mm.jit output there) is one global array; other devices, one per process
+            local[jax.tree_util.keystr(keypath)] = "on " + str(
+                sorted(int(d.id) for d in x.sharding.device_set)
+            )
+    mine = json.dumps({"path": str(path), "step": step, "local": local}, sort_keys=True)
+    key = f"multimesh/checkpoint/{next(_SAVES)}"
     theirs = crossproc.exchange_with_all(key, mine, what)
     for p, raw in sorted(theirs.items()):
         got = json.loads(raw)
+        if got["path"] != str(path):
+            raise ValueError(
+                f"{what}: process {p} saves to {got['path']} at the same point; a "
+                "checkpoint is one directory all processes write together: save to the "
+                "same path on every process."
+            )
         if got["step"] != step:
             raise ValueError(
                 f"{what}: process {p} saves step {got['step']} at the same point; every "
@@ -401,21 +416,23 @@ def _agree(key: str, state: Any, what: str, step: int | None = None) -> None:
         differ = sorted(k for k, d in got["local"].items() if local.get(k) not in (None, d))
         if differ:
             raise ValueError(
-                f"{what}: {differ} are values of this process only (host values or "
-                f"uncommitted arrays, not global arrays) and differ between this process "
-                f"and process {p}; a checkpoint keeps one copy of each. Save the same "
-                "value on every process, or make it a global array (e.g. an mm.jit "
-                "output), or save it per process under its own path."
+                f"{what}: {', '.join(differ)} hold values of each process only (host "
+                "values, uncommitted arrays or arrays on a process's own devices, not "
+                f"global arrays) that differ between this process and process {p}; a "
+                "checkpoint keeps one copy of each. Save the same value on every "
+                "process, or make it a global array (e.g. an mm.jit output)."
             )
 
 
 def _process_local(x: Any) -> bool:
     if isinstance(x, jax.Array):
         return not getattr(x, "committed", True) and x.is_fully_addressable
-    return isinstance(x, (np.ndarray, np.generic, int, float, complex, bool))
+    return isinstance(x, (np.ndarray, np.generic, int, float, complex, bool, str, bytes))
 
 
 def _digest(x: Any) -> str:
+    if isinstance(x, (str, bytes)):
+        return hashlib.sha256(x.encode() if isinstance(x, str) else x).hexdigest()[:32]
     is_key = isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
     a = np.asarray(jax.random.key_data(x) if is_key else x)
     return hashlib.sha256(f"{a.dtype}{a.shape}".encode() + a.tobytes()).hexdigest()[:32]
@@ -546,7 +563,6 @@ class CheckpointManager:
             create=True,
         )
         self._ocp = ocp
-        self._saves = 0  # multi-process saves started (names their host barriers)
         # the handler is named up front, so a new process can read existing steps' metadata
         self._m = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handler())
 
@@ -585,9 +601,7 @@ class CheckpointManager:
         values from here, it can take the devices those pulls need and hang both
         (seen on CPU: one process in the collective, the other waiting for its step)."""
         jax.block_until_ready([x for x in jax.tree.leaves(state) if isinstance(x, jax.Array)])
-        self._saves += 1
-        key = f"multimesh/checkpoint/{_compat.stable_hash(str(self.directory))}/{self._saves}"
-        _agree(key, state, f"CheckpointManager.save({step})", step=step)
+        _agree(self.directory, state, f"CheckpointManager.save({step})", step=step)
 
     def latest_step(self) -> int | None:
         """The newest complete step (interrupted saves, and saves still in flight, are

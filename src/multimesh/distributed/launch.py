@@ -124,11 +124,19 @@ def _pump(stream, rank: int, out, tracebacks: dict[int, float] | None = None) ->
     stream.close()
 
 
-def _culprit(bad: list[tuple[int, int]], tracebacks: dict[int, float]) -> tuple[int, int]:
-    """The failed rank to name: one killed by a signal (a segfault, the OOM killer: its
-    peers fail after it, from the broken connection), else the first to print a
-    traceback, else one aborted (SIGABRT: how JAX's coordination client stops a process
-    whose peer, e.g. rank 0 with the coordinator, is gone), else the lowest."""
+def _culprit(
+    bad: list[tuple[int, int]],
+    tracebacks: dict[int, float],
+    exited: dict[int, float] | None = None,
+) -> tuple[int, int]:
+    """The failed rank to name: the first to exit (its peers fail after it, from the
+    broken connection; ``exited``: when each was seen gone); among ranks seen gone at
+    once, one killed by a signal (a segfault, the OOM killer), else the first to print
+    a traceback, else one aborted (SIGABRT: how JAX's coordination client stops a
+    process whose peer, e.g. rank 0 with the coordinator, is gone), else the lowest."""
+    if exited:
+        first = min(exited.get(r, float("inf")) for r, _c in bad)
+        bad = [b for b in bad if exited.get(b[0], float("inf")) <= first]
     killed = [b for b in bad if b[1] < 0 and b[1] != -signal.SIGABRT]
     if killed:
         return killed[0]
@@ -190,15 +198,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     failed: tuple[int, int] | None = None
+    exited: dict[int, float] = {}  # rank -> when it was first seen gone
+
+    def poll() -> list[int | None]:
+        codes = [p.poll() for p in procs]
+        now = time.monotonic()
+        for r, c in enumerate(codes):
+            if c is not None:
+                exited.setdefault(r, now)
+        return codes
+
     try:
         while True:
-            codes = [p.poll() for p in procs]
+            codes = poll()
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if bad and failed is None:
                 # its peers may fail a moment later, from the broken connection: let the
                 # first traceback or signal death come in before naming one
                 time.sleep(0.5)
-                codes = [p.poll() for p in procs]
+                codes = poll()
                 bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
                 # only aborts so far (JAX's coordination client stopping ranks whose
                 # peer is gone): give that peer a few seconds to exit and be named
@@ -209,9 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     and time.monotonic() < until
                 ):
                     time.sleep(0.05)
-                    codes = [p.poll() for p in procs]
+                    codes = poll()
                     bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                failed = _culprit(bad, tracebacks)
+                failed = _culprit(bad, tracebacks, exited)
                 break
             if all(c is not None for c in codes):
                 break

@@ -75,8 +75,11 @@ class Executable:
         targets = labels.targets
         #: multi-process: which devices are this process's (None: a single process)
         self._loc = loc = crossproc.locality()
-        if loc is not None:  # the submeshes the program uses (values live on)
+        if loc is not None:  # the submeshes the program uses (values live on; with
+            # out_shardings, outputs may go to any)
             used = {s for (_v, s) in plan.slots} | {f.stage for f in plan.frags}
+            if out_shardings is not None and any(o is not None for o in out_shardings):
+                used = {t.index for t in targets}
             crossproc.check_layout(loc, [t for t in targets if t.index in used])
         self._calls = 0
         #: constants put once and kept between calls: (slot, host value, sharding)
