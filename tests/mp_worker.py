@@ -238,6 +238,28 @@ def keys_between_processes() -> None:
             rw, rv, rkey = ref(rw, x, rkey)
             want.append(float(rv))
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+    # a key returned by stage 0 and fed back, used first on stage 1 (the other process):
+    # an argument moved between processes, unwrapped by a fragment of its own
+    def g(k, x):
+        with mm.task("a", stage=1):
+            k, s = jax.random.split(k)
+            y = x * jax.random.uniform(s, x.shape)
+        with mm.task("b", stage=0):
+            k2 = jax.random.fold_in(k, 1)
+            return y + jax.random.uniform(k2, x.shape), k2
+
+    gm = mm.jit(g, mesh=mmesh)
+    k, got = jax.random.key(3), []
+    for _ in range(3):
+        y, k = gm(k, x)
+        got.append(mm.distributed.to_host(y))
+    with jax.default_device(jax.local_devices()[0]):
+        gj, rk, want = jax.jit(g), jax.random.key(3), []
+        for _ in range(3):
+            ry, rk = gj(rk, x)
+            want.append(np.asarray(ry))
+    np.testing.assert_allclose(np.stack(got), np.stack(want), rtol=1e-6)
     print("keys between processes ok", flush=True)
 
 

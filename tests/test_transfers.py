@@ -92,3 +92,33 @@ def test_many_small_values_go_in_packs_of_bounded_size(mesh4x2):
     with mesh4x2:
         want = jax.jit(f)(x)
     assert_close(g(x), want)
+
+
+def test_key_arguments_move_as_their_data(monkeypatch):
+    """Multi-process runs move key arguments as their data too (a fragment of their own
+    unwraps them where they live): forced here in one process, values and keys are
+    jax.jit's over calls feeding the key back (the multi-process tier runs it across
+    processes)."""
+    from multimesh.compiler import keys
+
+    orig = keys.keys_as_data
+    monkeypatch.setattr(keys, "keys_as_data", lambda *a, **k: orig(*a, **{**k, "inputs": True}))
+    mmesh = mm.make_mesh((2, 4), ("stage", "data"))
+
+    def f(k, x):
+        with mm.task("a", stage=1):
+            k, s = jax.random.split(k)
+            y = x * jax.random.uniform(s, x.shape)
+        with mm.task("b", stage=0):
+            k2 = jax.random.fold_in(k, 1)
+            return y + jax.random.uniform(k2, x.shape), k2
+
+    g, ref = mm.jit(f, mesh=mmesh), jax.jit(f)
+    x = jnp.ones(8)
+    a = b = (None, jax.random.key(0))
+    for _ in range(3):
+        a, b = g(a[1], x), ref(b[1], x)
+        assert_close(a[0], b[0])
+        np.testing.assert_array_equal(jax.random.key_data(a[1]), jax.random.key_data(b[1]))
+    plan = g.lower(a[1], x).plan
+    assert all("key" not in t.dtype for t in plan.transfers), plan.as_text()

@@ -215,7 +215,10 @@ class Lowered(_ArgsInfo):
                 prog, labels = prog2, labels2
                 placement = place.place(prog, labels, locs, default, follow=follow)
         frags = frag_pass.fragment(prog, placement, labels, traced.loops, split_shared=split)
-        prog, labels, placement, frags = keys.keys_as_data(prog, labels, placement, frags)
+        # keys move as their data (between processes, also key arguments)
+        prog, labels, placement, frags = keys.keys_as_data(
+            prog, labels, placement, frags, inputs=jax.process_count() > 1
+        )
         prog, labels, placement, frags = pack.pack_transfers(prog, labels, placement, frags)
         self._prog, self._labels = prog, labels
         self.plan: plan_pass.Plan = plan_pass.build_plan(
