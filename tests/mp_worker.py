@@ -401,6 +401,18 @@ def checkpoint_misuse(d: str) -> None:
         with mm.checkpoint.CheckpointManager(os.path.join(d, "two")) as m2:
             m2.save(step, {"ws": ws})
     print("second manager ok", flush=True)
+    # process 1 goes on without saving (it does not exit): process 0 says so on stderr
+    # after MULTIMESH_WAIT_NOTICE s and fails after MULTIMESH_PLAN_TIMEOUT s
+    os.environ.update(MULTIMESH_WAIT_NOTICE="2", MULTIMESH_PLAN_TIMEOUT="6")
+    if me == 0:
+        try:
+            mm.checkpoint.save(os.path.join(d, "only0"), {"ws": ws})
+        except RuntimeError as e:
+            assert "process 1 did not take part within 6 s" in str(e), e
+            print("skipped save timed out", flush=True)
+    else:
+        time.sleep(9)
+    del os.environ["MULTIMESH_WAIT_NOTICE"], os.environ["MULTIMESH_PLAN_TIMEOUT"]
     man = mm.checkpoint.CheckpointManager(os.path.join(d, "man"))
     if me == 1:
         sys.exit(0)

@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -150,7 +151,18 @@ def exchange_with_all(key: str, value: str, what: str) -> dict[int, str]:
     for p in range(n):
         if p == me:
             continue
-        raw = _poll(kv, f"{key}/{p}", timeout_s, gone=_exiting_key(p))
+        # a first wait of a minute, then a word on stderr (a peer that skipped this
+        # call and went on, e.g. to its next mm.jit step, cannot be told from a slow one)
+        first = min(timeout_s, float(os.environ.get("MULTIMESH_WAIT_NOTICE", "60")))
+        raw = _poll(kv, f"{key}/{p}", first, gone=_exiting_key(p))
+        if raw is None and timeout_s > first:
+            sys.stderr.write(
+                f"multimesh: {what} on process {me} has waited {first:.0f} s for process "
+                f"{p} to reach it; every process must call it (not only process 0). "
+                f"Waiting up to {timeout_s:.0f} s (MULTIMESH_PLAN_TIMEOUT).\n"
+            )
+            sys.stderr.flush()
+            raw = _poll(kv, f"{key}/{p}", timeout_s - first, gone=_exiting_key(p))
         if raw is _GONE:
             raise RuntimeError(
                 f"{what}: process {p} exited without taking part. Every process must call "
