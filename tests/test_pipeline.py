@@ -402,6 +402,30 @@ def test_grad_outside_two_loops(schedule):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
+@pytest.mark.parametrize("chain", ["joined", "shared", "three"])
+def test_loop_input_made_from_an_earlier_loop_with_untagged_work(schedule, chain):
+    """A loop's input made by untagged work from an argument and an earlier loop's
+    result (``x * 0.5 + v1 * 0``): that work and the earlier loop's accumulator zeros
+    were grouped (both untagged, level 0, on the last stage), so the group needed loop 1
+    and fed it, and 1F1B refused the program (found by a probe)."""
+    mmesh = stage_mesh(2)
+    ws = weights(2)
+    x, y = data(8)
+    mb = mm.microbatch(jax.value_and_grad(mlp(2)), 2, argnums=(1, 2), schedule=schedule)
+
+    def f(ws, x, y):
+        z = x * 0.5
+        r1 = mb(ws, z if chain == "shared" else x, y)
+        r2 = mb(ws, z + r1[0] * 0, y)
+        if chain != "three":
+            return r1, r2
+        return r1, r2, mb(ws, x * 0.25 + r2[0] * 0 + r1[0], y)
+
+    got = mm.jit(f, mesh=mmesh)(ws, x, y)
+    assert_close(got, reference(f, mmesh, ws, x, y), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
 @pytest.mark.parametrize("grad_outside", [False, True])
 def test_stages_in_reverse_order(schedule, grad_outside):
     mmesh = stage_mesh(3)

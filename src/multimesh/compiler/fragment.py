@@ -62,6 +62,7 @@ class _Group:
 
 
 _PHASE_RANK = {"F": 0, "B": 1, "W": 2}
+_NO_LOOP = 1 << 30  # "feeds no loop"
 
 
 def _later_stage_of_earlier_mb(blocked: _Group, need: _Group) -> bool:
@@ -132,13 +133,34 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
     # work outside loops that no loop needs (e.g. an optimizer's moment decay, which
     # needs only the old state) is grouped apart from work that loops need, so that it
     # can run after the loops (step 4)
-    feeds_loop = [False] * n
-    needed_vars: set[Any] = set()
+    # With several loops, work outside them also knows which: the last loop whose results
+    # it needs and the first loop it feeds (loops are numbered in program order). Work
+    # for different loops is not grouped together (loop 1's accumulator zeros with loop
+    # 2's input made from loop 1's output: that group would need loop 1 and feed it)
+    feed_at = [_NO_LOOP] * n
+    feed_var: dict[Any, int] = {}
     for i in reversed(range(n)):
         e = prog.eqns[i]
-        if mbs[i] is not None or any(o in needed_vars for o in e.outvars):
-            feeds_loop[i] = True
-            needed_vars.update(a for a in e.invars if not isinstance(a, Literal))
+        f = mbs[i][0] if mbs[i] is not None else _NO_LOOP
+        f = min([f] + [feed_var[o] for o in e.outvars if o in feed_var])
+        feed_at[i] = f
+        if f != _NO_LOOP:
+            for a in e.invars:
+                if not isinstance(a, Literal):
+                    feed_var[a] = min(feed_var.get(a, _NO_LOOP), f)
+    feeds_loop = [f != _NO_LOOP for f in feed_at]
+    need_at = [-1] * n
+    need_var: dict[Any, int] = {}
+    for i, e in enumerate(prog.eqns):
+        if mbs[i] is not None:
+            need_at[i] = mbs[i][0]
+        else:
+            need_at[i] = max(
+                [-1] + [need_var[a] for a in e.invars if not isinstance(a, Literal) and a in need_var]
+            )
+        if need_at[i] >= 0:
+            for o in e.outvars:
+                need_var[o] = need_at[i]
 
     # 1. ASAP levels
     avail: dict[Slot, tuple[int, str]] = {}
@@ -163,6 +185,8 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
     # later (as if it received a value), so work returning to a stage (0, 1, 0) is not
     # grouped with that stage's first effect, which would wait for itself
     last_effect: tuple[int, int] | None = None  # (level, stage)
+    # per group outside loops: (the last loop it needs, the first loop it feeds)
+    bounds: dict[int, tuple[int, int]] = {}
     for i, e in enumerate(prog.eqns):
         effect = _compat.has_ordered_effects(e)
         for s in placement.instances[i]:
@@ -183,11 +207,13 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
             # (work after a loop that feeds a loop again, e.g. the seed of a non-linear
             # function of the loop's output with jax.grad outside, is kept apart from
             # the work after it: the same level, but the loop's backward lies between)
-            key = (s, mbs[i], phase[i], lvl, post, feeds_loop[i], seg[i], virt_key[i])
+            loops_key = None if mbs[i] is not None else (need_at[i], feed_at[i])
+            key = (s, mbs[i], phase[i], lvl, post, feeds_loop[i], seg[i], virt_key[i], loops_key)
             key_of[(i, s)] = key
             if key not in groups_by_key:
                 groups_by_key[key] = len(groups)
                 groups.append(_Group(s, mbs[i], phase[i], lvl, set(), segment=seg[i]))
+                bounds[len(groups) - 1] = (need_at[i], feed_at[i])
             groups[groups_by_key[key]].eqns.add(i)
             for o in e.outvars:
                 publish((o, s), lvl, phase[i], from_loop)
@@ -267,8 +293,17 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
         """Is there a path g -> ... -> h?"""
         return h in groups[g].succ or reaches_via_other(g, h)
 
+    def may_join(g: int, h: int) -> bool:
+        """May g and h (outside loops) merge? Not when together they would need a loop
+        that they also feed and neither did alone: they could run only within it."""
+        (ng, fg), (nh, fh) = bounds[g], bounds[h]
+        return max(ng, nh) < min(fg, fh) or ng >= fg or nh >= fh
+
     def merge(into: int, other: int) -> None:
         gi, go = groups[into], groups[other]
+        if into in bounds and other in bounds:
+            (ni, fi), (no, fo) = bounds[into], bounds[other]
+            bounds[into] = (max(ni, no), min(fi, fo))
         gi.eqns |= go.eqns
         gi.actions += [a for a in go.actions if a not in gi.actions]
         go.alive = False
@@ -320,7 +355,12 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
                         )
                     )
                 )
-                if same and not sends(gid) and not reaches_via_other(gid, h):
+                if (
+                    same
+                    and (g.mb is not None or may_join(gid, h))
+                    and not sends(gid)
+                    and not reaches_via_other(gid, h)
+                ):
                     merge(h, gid)  # run g's work with h
                     changed = True
                     break  # g is gone: on to the next group (another pass follows)
