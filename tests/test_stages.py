@@ -440,6 +440,21 @@ def test_trace_stage_like_jax_stages(mesh4x2):
     assert x.is_deleted()
 
 
+def test_trace_lower_lowering_platforms(mesh4x2):
+    """``TracedCall.lower(lowering_platforms=...)`` as ``jax.stages.Traced.lower``: the
+    devices' own platform lowers; another is a clear error (it was a TypeError)."""
+
+    def f(x):
+        with mm.task("a", stage=0):
+            return x * 2
+
+    t = mm.jit(f, mesh=mesh4x2).trace(X)
+    platform = jax.devices()[0].platform
+    assert_close(t.lower(lowering_platforms=(platform,)).compile()(X), X * 2)
+    with pytest.raises(ValueError, match=r"'f'.*lowering_platforms=\['tpu'\].*not supported"):
+        t.lower(lowering_platforms=("tpu",))
+
+
 def test_lowered_and_traced_compile_after_their_arguments_are_donated(mesh4x2):
     """A Lowered / TracedCall keeps what it needs of its arguments: compiling it after a
     donating call deleted them works, as with jax.stages (found by a probe)."""

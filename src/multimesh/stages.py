@@ -110,8 +110,22 @@ class TracedCall(_ArgsInfo):
         """The outputs' abstract values, as a pytree (``jax.stages.Traced.out_avals``)."""
         return jax.tree_util.tree_unflatten(self.out_tree, list(self._traced.out_avals))
 
-    def lower(self) -> Lowered:
-        """Place and plan the traced program (see :class:`Lowered`)."""
+    def lower(self, *, lowering_platforms: tuple[str, ...] | None = None) -> Lowered:
+        """Place and plan the traced program (see :class:`Lowered`). Each fragment is
+        lowered for its submesh's devices: ``lowering_platforms`` (as in
+        ``jax.stages.Traced.lower``) may only name their platform."""
+        if lowering_platforms is not None:
+            have = sorted({d.platform for d in self._fn.multimesh.devices})
+            want = [lowering_platforms] if isinstance(lowering_platforms, str) else list(
+                lowering_platforms
+            )
+            if sorted(set(want)) != have:
+                raise ValueError(
+                    f"mm.jit function {self.fun_name!r}: lowering_platforms={want!r}, but "
+                    f"its fragments are lowered for the MultiMesh's devices ({have}): "
+                    "lowering for other platforms is not supported. Lower it on a "
+                    "MultiMesh of those devices, or omit lowering_platforms."
+                )
         return self._fn._lower(self._call, self._flat, self.in_tree, self._key)
 
 
