@@ -256,3 +256,27 @@ def test_scan_returning_a_constant_per_step(mesh4x2):
 
     xs = jnp.arange(4.0)
     assert_close(mm.jit(f, mesh=mesh4x2)(xs, 2.0), reference(f, mesh4x2, xs, 2.0))
+
+
+def test_python_scalar_and_weak_array_share_one_trace(mesh4x2):
+    """``f(x, 2.0)`` then ``f(x, jnp.asarray(3.0))``: both weakly typed float32 scalars,
+    one trace and one program, as under jax.jit (they traced and compiled twice; found
+    by a probe). A bool or an int is another type: traced anew, as jax.jit does."""
+    traces = []
+
+    def f(x, s):
+        traces.append(1)
+        with mm.task("a", stage=0):
+            y = x * s
+        with mm.task("b", stage=1):
+            return y + s
+
+    x = jnp.ones(4)
+    g = mm.jit(f, mesh=mesh4x2)
+    for s in (2.0, jnp.asarray(3.0), 4.0):
+        got = g(x, s)
+        assert got.dtype == jnp.float32 and np.array_equal(got, x * s + s)
+    assert len(traces) == 1 and g._cache_size() == 1
+    for s in (True, 5):
+        assert np.array_equal(g(x, s), jax.jit(f)(x, s))
+    assert g._cache_size() == 3

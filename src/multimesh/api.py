@@ -30,6 +30,7 @@ from multimesh.arguments import (
     Call,
     DeletedArgument,
     Signature,
+    abstract_leaf_key,
     as_named,
     broadcast_prefix,
     check_no_stage_axis,
@@ -596,7 +597,7 @@ def _source_info(fun: Any) -> str:
 def _abstract(key: Hashable) -> Hashable:
     """The part of a signature that tracing depends on (no placements)."""
     in_tree, static, mesh_key, keys, settings = key  # type: ignore[misc]
-    return (in_tree, static, mesh_key, tuple(k[:3] for k in keys), settings)
+    return (in_tree, static, mesh_key, tuple(abstract_leaf_key(k) for k in keys), settings)
 
 
 def _is_spec(x: Any) -> bool:

@@ -385,15 +385,20 @@ def check_call_types(
         )
 
 
-def _scalar_matches(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    def dt(k: tuple[Any, ...]) -> Any:
-        if len(k) == 1:
-            return jax.dtypes.canonicalize_dtype(
-                {bool: np.bool_, int: np.int64, float: np.float64, complex: np.complex128}[k[0]]
-            ), ()
-        return k[1], k[0]
+_SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64, complex: np.complex128}
 
-    return dt(a) == dt(b)
+
+def abstract_leaf_key(k: tuple[Any, ...]) -> tuple[Any, ...]:
+    """(shape, dtype, weak type) of a leaf key: what tracing depends on. A Python scalar
+    is its weakly typed 0-d array (bool: strongly typed), so ``f(x, 1.0)`` and
+    ``f(x, jnp.asarray(1.0))`` share one trace, as under jax.jit."""
+    if len(k) == 1:
+        return ((), jax.dtypes.canonicalize_dtype(_SCALAR_DTYPES[k[0]]), k[0] is not bool)
+    return k[:3]
+
+
+def _scalar_matches(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return abstract_leaf_key(a)[:2] == abstract_leaf_key(b)[:2]
 
 
 # --- in_shardings / out_shardings --------------------------------------------------------
