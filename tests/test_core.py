@@ -280,3 +280,29 @@ def test_python_scalar_and_weak_array_share_one_trace(mesh4x2):
     for s in (True, 5):
         assert np.array_equal(g(x, s), jax.jit(f)(x, s))
     assert g._cache_size() == 3
+
+
+def test_numpy_and_subclassed_scalar_arguments(mesh4x2):
+    """``np.float64`` is a ``float`` and an ``IntEnum`` member an ``int``: mm.jit keyed
+    them by their own type and failed with a KeyError (a probe); now typed as jax.jit
+    types them (NumPy scalars strongly, Python-scalar subclasses weakly)."""
+    import enum
+
+    class E(enum.IntEnum):
+        A = 3
+
+    class MyFloat(float):
+        pass
+
+    def f(x, s):
+        with mm.task("a", stage=0):
+            y = x * s
+        with mm.task("b", stage=1):
+            return y + s
+
+    x = jnp.ones(4, jnp.float32)
+    g = mm.jit(f, mesh=mesh4x2)
+    for s in (np.float64(1.5), np.complex128(1.0), E.A, MyFloat(1.5), np.int64(3), np.bool_(True)):
+        got, want = g(x, s), jax.jit(f)(x, s)
+        assert got.dtype == want.dtype and got.aval.weak_type == want.aval.weak_type, s
+        assert np.array_equal(got, want), s

@@ -816,3 +816,16 @@ def test_sub_byte_values_run_or_say_why(mesh4x2):
     else:
         with pytest.raises(ValueError, match=r"fragment 'a' .*dtype int4.*upgrade jax"):
             g(a, y)
+
+
+def test_in_shardings_mismatch_names_an_argument_without_leaves(mesh4x2):
+    """An ``in_shardings`` entry that does not fit an argument without leaves (``()``)
+    names its position (it was called ``'?'``; found by a probe)."""
+
+    def f(x, e):
+        with mm.task("a", stage=0):
+            return x * 2
+
+    g = mm.jit(f, mesh=mesh4x2, in_shardings=(None, (P(), P())))
+    with pytest.raises(ValueError, match=r"in_shardings for argument at position 1 .*prefix"):
+        g(jnp.ones(4), ())

@@ -220,6 +220,10 @@ def _aval_of(x: Any) -> Any:
     return jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
 
 
+# bool first: a bool is an int
+_SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64, complex: np.complex128}
+
+
 def leaf_key(x: Any, structs: bool = True) -> tuple[Any, ...]:
     """The cache-key part of one flat argument: (shape, dtype, weak type, committed
     sharding or None). Traced values and deleted (donated) arrays are errors, and so are
@@ -243,10 +247,11 @@ def leaf_key(x: Any, structs: bool = True) -> tuple[Any, ...]:
         )
     if isinstance(x, np.ndarray):  # float64 is float32 unless x64 is on (as in jax.jit)
         return (x.shape, jax.dtypes.canonicalize_dtype(x.dtype), False, None)
-    if isinstance(x, (bool, int, float, complex)):
-        return (type(x),)
-    if isinstance(x, np.generic):
+    if isinstance(x, np.generic):  # before Python scalars: np.float64 is a float
         return ((), jax.dtypes.canonicalize_dtype(x.dtype), False, None)
+    if isinstance(x, (bool, int, float, complex)):
+        # subclasses (an IntEnum member) as their Python type, as jax.jit
+        return (next(t for t in _SCALAR_DTYPES if isinstance(x, t)),)
     if _compat.is_ref(x):
         raise TypeError(
             "a mutable array reference (jax.new_ref) cannot be an mm.jit argument (its "
@@ -385,9 +390,6 @@ def check_call_types(
         )
 
 
-_SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64, complex: np.complex128}
-
-
 def abstract_leaf_key(k: tuple[Any, ...]) -> tuple[Any, ...]:
     """(shape, dtype, weak type) of a leaf key: what tracing depends on. A Python scalar
     is its weakly typed 0-d array (bool: strongly typed), so ``f(x, 1.0)`` and
@@ -495,10 +497,10 @@ def in_sharding_leaves(in_shardings: Any, call: Call, names: Sequence[str]) -> l
         )
     out: list[Any] = []
     k = 0
-    for a, s in zip(call.dyn_args, in_shardings):
+    for pos, (a, s) in enumerate(zip(call.dyn_args, in_shardings)):
         nleaves = len(jax.tree_util.tree_leaves(a))
-        arg = names[k].split("[")[0] if nleaves else "?"
-        out.extend(broadcast_prefix(s, a, f"in_shardings for argument {arg!r}"))
+        arg = repr(names[k].split("[")[0]) if nleaves else f"at position {call.positions[pos]}"
+        out.extend(broadcast_prefix(s, a, f"in_shardings for argument {arg}"))
         k += nleaves
     return out
 
