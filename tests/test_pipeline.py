@@ -401,6 +401,36 @@ def test_grad_outside_two_loops(schedule):
         mm.jit(chain, mesh=mmesh).lower(ws, x, y)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("feed", ["weight", "batch"])
+def test_second_loop_on_the_first_loops_gradient(schedule, feed):
+    """Two training steps in one function: the second loop runs on weights updated with
+    the first loop's gradients (or on a gradient as its batch). Its forward consumed
+    backward values, so every equation of it was taken for backward work: interleaving
+    then refused it as a deadlock (found by a probe), other schedules ran it as a
+    backward. A loop's work is backward only through its own backward now."""
+    mmesh = stage_mesh(2)
+    n = 4 if schedule == "interleaved-1f1b" else 2
+    ws = weights(n)
+    x, y = data(8)
+    vg = mm.microbatch(
+        jax.value_and_grad(mlp(n)), 2, argnums=(1, 2), schedule=schedule, reduce="mean"
+    )
+
+    def f(ws, x, y):
+        l1, g1 = vg(ws, x, y)
+        if feed == "weight":
+            return l1, vg([w - 0.1 * g for w, g in zip(ws, g1)], x, y)
+        return l1, vg(ws, g1[0], y)
+
+    plan = mm.jit(f, mesh=mmesh).lower(ws, x, y).plan
+    first_forwards = [fr.name for fr in plan.fragments if fr.stage == 0 and ":F0" in fr.name]
+    # microbatch 0's forward of each task on submesh 0, per loop
+    assert len(first_forwards) == 2 * (n // 2), first_forwards
+    got = mm.jit(f, mesh=mmesh)(ws, x, y)
+    assert_close(got, reference(f, mmesh, ws, x, y), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h1"])
 @pytest.mark.parametrize("chain", ["joined", "shared", "three"])
 def test_loop_input_made_from_an_earlier_loop_with_untagged_work(schedule, chain):

@@ -116,15 +116,25 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
     seg = segments or [0] * n
     # phase: backward if transposed, or if it consumes backward results (e.g. the
     # accumulation of a microbatch's gradients belongs to that microbatch's backward)
+    # A loop's work is backward only through its own backward (or backward work outside
+    # loops, e.g. the seed of jax.grad taken outside): a second loop's forward on weights
+    # updated with the first loop's gradients is forward work (it was all "B", and an
+    # interleaved schedule then ordered it as a backward)
     phase: list[str] = []
-    var_phase: dict[Any, str] = {}
-    for e in prog.eqns:
-        back = _compat.is_transposed(e.source_info.name_stack) or any(
-            var_phase.get(a) == "B" for a in e.invars if not isinstance(a, Literal)
-        )
-        phase.append("B" if back else "F")
-        for o in e.outvars:
-            var_phase[o] = phase[-1]
+    var_back: dict[Any, int] = {}  # backward value -> the loop it comes from (-1: none)
+    for i, e in enumerate(prog.eqns):
+        loop = mbs[i][0] if mbs[i] is not None else -1
+        if _compat.is_transposed(e.source_info.name_stack):
+            src: int | None = loop
+        else:
+            srcs = [var_back[a] for a in e.invars if not isinstance(a, Literal) and a in var_back]
+            if mbs[i] is not None:
+                srcs = [b for b in srcs if b in (loop, -1)]
+            src = (-1 if -1 in srcs else srcs[0]) if srcs else None
+        phase.append("F" if src is None else "B")
+        if src is not None:
+            for o in e.outvars:
+                var_back[o] = src
     transfers_from: dict[Slot, list[int]] = {}
     for v, src, dst in placement.transfers:
         transfers_from.setdefault((v, src), []).append(dst)
