@@ -891,3 +891,21 @@ def test_microbatch_in_a_nested_jit_traced_before_outside_mm_jit():
     assert_close(got, want, rtol=1e-5, atol=1e-6)
     with mmesh:  # and the reference after it still runs its own trace
         assert_close(jax.jit(step)(ws, x, y), want, rtol=1e-6, atol=1e-7)
+
+
+def test_interleaved_tasks_numbered_by_submesh_is_a_clear_error():
+    """Tasks of an interleaved loop numbered by submesh (0, 1, 0, 1) instead of virtual
+    stage (0..3): the error says how interleaving numbers them (it only spoke of tied
+    heads; found by a probe)."""
+
+    def loss(ws, x, y):
+        h = x
+        for i, (st, w) in enumerate(zip((0, 1, 0, 1), ws)):
+            with mm.task(f"s{i}", stage=st):
+                h = h + jnp.tanh(h @ w)
+        return jnp.mean((h - y) ** 2)
+
+    x, y = data(8)
+    g = mm.microbatch(jax.value_and_grad(loss), 2, argnums=(1, 2), schedule="interleaved-1f1b")
+    with pytest.raises(ValueError, match=r"goes back to a stage.*numbers its tasks by virtual"):
+        mm.jit(g, mesh=stage_mesh(2)).lower(weights(4), x, y)

@@ -752,6 +752,13 @@ def _build_schedules(groups, loops, labels):
                 "pipeline's stages must form a chain: give the task that comes back (e.g. a "
                 "tied head next to its embedding) a stage of its own or the last stage's, "
                 "and let its weights move there."
+                + (
+                    f" An interleaved schedule ({sched.name!r}) numbers its tasks by virtual "
+                    f"stage: 0, 1, ..., 2S-1 in pipeline order, stage v on submesh v % S "
+                    f"(S={S} here), not by submesh (0, 1, 0, 1)."
+                    if "interleaved" in str(getattr(sched, "name", ""))
+                    else ""
+                )
             ) from None
         num_virtual = len(order)
         chunks = max(1, num_virtual // max(S, 1))
