@@ -384,6 +384,33 @@ def test_grad_of_a_microbatched_gradient_is_a_clear_error(schedule):
         mm.jit(gg, mesh=mmesh).lower(ws, x, y)
 
 
+@pytest.mark.parametrize("combine", ["log", "sqrt", "both"])
+def test_grad_outside_two_loops_each_non_linear(combine):
+    """jax.grad outside two loops combined as ``log(l1) + l2`` (each loop's seed needs
+    only its own loop): GPipe orders it (loop 1 forward, its seed, its backward, loop 2).
+    The first loop's seed work was merged with the second loop's sum, which then needed
+    loop 2 and fed loop 1: refused (found by a probe). ``l1 * l2`` stays a clear error."""
+    mmesh = stage_mesh(2)
+    ws = weights(2)
+    x, y = data(8)
+    mb = mm.microbatch(mlp(2), 2, argnums=(1, 2), schedule="gpipe")
+
+    def loss(ws, x, y):
+        l1, l2 = mb(ws, x, y), mb(ws, 2 * x, y)
+        if combine == "log":
+            return jnp.log(l1) + l2
+        if combine == "sqrt":
+            return jnp.sqrt(l1) + 3 * l2
+        return jnp.log(l1) + jnp.log(l2)
+
+    g = jax.value_and_grad(loss)
+    got = mm.jit(g, mesh=mmesh)(ws, x, y)
+    assert_close(got, reference(g, mmesh, ws, x, y), rtol=1e-5, atol=1e-6)
+    prod = jax.grad(lambda ws, x, y: mb(ws, x, y) * mb(ws, 2 * x, y))
+    with pytest.raises(ValueError, match="combined non-linearly"):
+        mm.jit(prod, mesh=mmesh).lower(ws, x, y)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_grad_outside_two_loops(schedule):
     """jax.grad outside two microbatch loops summed: JAX adds the second loop's weight
@@ -402,12 +429,13 @@ def test_grad_outside_two_loops(schedule):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("feed", ["weight", "batch"])
+@pytest.mark.parametrize("feed", ["weight", "batch", "grad-outside", "penalty"])
 def test_second_loop_on_the_first_loops_gradient(schedule, feed):
     """Two training steps in one function: the second loop runs on weights updated with
-    the first loop's gradients (or on a gradient as its batch). Its forward consumed
+    the first loop's gradients (or on a gradient as its batch; or the first gradient is
+    taken outside its loop; or it is a penalty's, outside loops). Its forward consumed
     backward values, so every equation of it was taken for backward work: interleaving
-    then refused it as a deadlock (found by a probe), other schedules ran it as a
+    then refused it as a deadlock (found by probes), other schedules ran it as a
     backward. A loop's work is backward only through its own backward now."""
     mmesh = stage_mesh(2)
     n = 4 if schedule == "interleaved-1f1b" else 2
@@ -416,17 +444,22 @@ def test_second_loop_on_the_first_loops_gradient(schedule, feed):
     vg = mm.microbatch(
         jax.value_and_grad(mlp(n)), 2, argnums=(1, 2), schedule=schedule, reduce="mean"
     )
+    mb = mm.microbatch(mlp(n), 2, argnums=(1, 2), schedule=schedule, reduce="mean")
 
     def f(ws, x, y):
-        l1, g1 = vg(ws, x, y)
-        if feed == "weight":
-            return l1, vg([w - 0.1 * g for w, g in zip(ws, g1)], x, y)
-        return l1, vg(ws, g1[0], y)
+        if feed == "penalty":
+            g1 = jax.grad(lambda ws: sum(jnp.sum(w**2) for w in ws))(ws)
+            return vg([w - 0.01 * g for w, g in zip(ws, g1)], x, y)
+        l1, g1 = (jax.value_and_grad(mb) if feed == "grad-outside" else vg)(ws, x, y)
+        if feed == "batch":
+            return l1, vg(ws, g1[0], y)
+        return l1, vg([w - 0.1 * g for w, g in zip(ws, g1)], x, y)
 
     plan = mm.jit(f, mesh=mmesh).lower(ws, x, y).plan
     first_forwards = [fr.name for fr in plan.fragments if fr.stage == 0 and ":F0" in fr.name]
     # microbatch 0's forward of each task on submesh 0, per loop
-    assert len(first_forwards) == 2 * (n // 2), first_forwards
+    loops = 1 if feed == "penalty" else 2
+    assert len(first_forwards) == loops * (n // 2), first_forwards
     got = mm.jit(f, mesh=mmesh)(ws, x, y)
     assert_close(got, reference(f, mmesh, ws, x, y), rtol=1e-5, atol=1e-6)
 

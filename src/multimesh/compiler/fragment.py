@@ -116,9 +116,10 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
     seg = segments or [0] * n
     # phase: backward if transposed, or if it consumes backward results (e.g. the
     # accumulation of a microbatch's gradients belongs to that microbatch's backward)
-    # A loop's work is backward only through its own backward (or backward work outside
-    # loops, e.g. the seed of jax.grad taken outside): a second loop's forward on weights
-    # updated with the first loop's gradients is forward work (it was all "B", and an
+    # A loop's work is backward only through its own backward (transposed work, and what
+    # consumes it in that loop, e.g. the accumulation of a microbatch's gradients): a
+    # second loop's forward on weights updated with the first loop's gradients, or with
+    # a gradient taken outside loops, is forward work (it was all "B", and an
     # interleaved schedule then ordered it as a backward)
     phase: list[str] = []
     var_back: dict[Any, int] = {}  # backward value -> the loop it comes from (-1: none)
@@ -129,8 +130,8 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
         else:
             srcs = [var_back[a] for a in e.invars if not isinstance(a, Literal) and a in var_back]
             if mbs[i] is not None:
-                srcs = [b for b in srcs if b in (loop, -1)]
-            src = (-1 if -1 in srcs else srcs[0]) if srcs else None
+                srcs = [b for b in srcs if b == loop]
+            src = srcs[0] if srcs else None
         phase.append("F" if src is None else "B")
         if src is not None:
             for o in e.outvars:
@@ -305,9 +306,12 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
 
     def may_join(g: int, h: int) -> bool:
         """May g and h (outside loops) merge? Not when together they would need a loop
-        that they also feed and neither did alone: they could run only within it."""
+        that they also feed and neither did alone (they could run only within it), nor
+        need a later loop than one they feed (a loop's gradient seed with a later loop's
+        work: no order runs that)."""
         (ng, fg), (nh, fh) = bounds[g], bounds[h]
-        return max(ng, nh) < min(fg, fh) or ng >= fg or nh >= fh
+        n, f = max(ng, nh), min(fg, fh)
+        return n < f or (n == f and (ng >= fg or nh >= fh))
 
     def merge(into: int, other: int) -> None:
         gi, go = groups[into], groups[other]
