@@ -67,3 +67,16 @@ def test_actionlint_workflows():
     assert {p.name for p in workflows} >= {"ci.yml", "containers.yml"}
     tool("shellcheck")  # actionlint checks `run:` scripts with it when it is on PATH
     lint([tool("actionlint"), *(str(p.relative_to(ROOT)) for p in workflows)])
+
+
+def test_jax_internals_only_in_compat():
+    """JAX internals (``jax._src``) are used in ``_compat.py`` only (README, Layout)."""
+    src = ROOT / "src" / "multimesh"
+    bad = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in sorted(src.rglob("*.py"))
+        if p.name != "_compat.py"
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if "jax._src" in line and not line.lstrip().startswith("#")
+    ]
+    assert not bad, f"jax._src outside _compat.py: {bad}"

@@ -829,3 +829,11 @@ def dynamic_slice_eqn(eqn: Any, invars: list[Any], sizes: tuple[int, ...]) -> An
     return eqn.replace(
         primitive=jax.lax.dynamic_slice_p, invars=invars, params={"slice_sizes": sizes}
     )
+
+
+def distributed_state() -> Any:
+    """JAX's distributed runtime state (``client``: the coordination service's key-value
+    client, ``coordinator_address``); both ``None`` before ``jax.distributed.initialize``."""
+    from jax._src import distributed
+
+    return distributed.global_state

@@ -75,9 +75,9 @@ def _kv() -> Any:
 
 def _local_ip() -> str:
     """This host's address as the coordinator sees it (the interface that reaches it)."""
-    from jax._src import distributed
+    from multimesh import _compat
 
-    coord = getattr(distributed.global_state, "coordinator_address", None) or "127.0.0.1:0"
+    coord = getattr(_compat.distributed_state(), "coordinator_address", None) or "127.0.0.1:0"
     host = coord.rsplit(":", 1)[0].strip("[]")
     if host in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"

@@ -261,9 +261,7 @@ def _single(device: Any) -> Any:
 
 
 def kv_client() -> Any:
-    from jax._src import distributed
-
-    client = distributed.global_state.client
+    client = _compat.distributed_state().client
     if client is None:
         raise RuntimeError(
             "multi-process MultiMesh needs jax.distributed: call mm.distributed.initialize() "
