@@ -692,7 +692,19 @@ def caller_config() -> Callable[[Callable[[], Any]], Callable[[], Any]]:
 def eqn_context_mesh(eqn: Any) -> Any:
     """The abstract mesh an equation was traced under (``eqn.ctx``), or ``None``."""
     ctx = getattr(eqn, "ctx", None)
+    if ctx is not None and not hasattr(ctx, "cur_abstract_mesh"):
+        # jax >= 0.12.1: the context is a tuple of settings
+        i = _ctx_mesh_index()
+        return None if i is None else ctx.configs[i]
     return getattr(ctx, "cur_abstract_mesh", None)
+
+
+def _ctx_mesh_index() -> int | None:
+    """Where the abstract mesh is in an equation context's settings (jax >= 0.12.1)."""
+    names = tuple(getattr(_cfg, "jaxpr_eqn_ctx_names", tuple)())
+    return names.index("abstract_mesh_context_manager") if (
+        "abstract_mesh_context_manager" in names
+    ) else None
 
 
 # JaxprEqnContext._create's parameters, by JAX version (it is a C interner: no signature)
@@ -719,6 +731,14 @@ def with_context_mesh(eqn: Any, mesh: Any) -> Any:
     it evaluates the equation). Contexts are interned by JAX: build a new one, never
     mutate."""
     ctx = eqn.ctx
+    if not hasattr(ctx, "cur_abstract_mesh"):  # jax >= 0.12.1: a tuple of settings
+        i = _ctx_mesh_index()
+        if i is None or ctx.configs[i] is mesh or ctx.configs[i] == mesh:
+            return eqn
+        configs = ctx.configs[:i] + (mesh,) + ctx.configs[i + 1 :]
+        md = ctx.xla_metadata
+        md = None if md is None else tuple(sorted(md.items()))
+        return eqn.replace(ctx=_core.JaxprEqnContext._create(md, configs))
     fields = _CTX_FIELDS_012 if hasattr(ctx, "cur_layout_mode") else _CTX_FIELDS_010
     if ctx.cur_abstract_mesh is mesh or ctx.cur_abstract_mesh == mesh:
         return eqn
