@@ -342,9 +342,17 @@ def relocate_compiled(compiled: Any, mapping: dict[int, Any]) -> Any:
                 return mapping[pid[1]]
             return super().persistent_load(pid)
 
-    moved, args_info_flat, no_kwargs = _Unpickler(io.BytesIO(data), backend, dst).load()
+    loaded = _Unpickler(io.BytesIO(data), backend, dst).load()
+    if len(loaded) == 3:  # jax < 0.12.1
+        (moved, args_info_flat, no_kwargs), const_args = loaded, []
+    else:  # (version, executable, args info, no_kwargs, constants)
+        _version, moved, args_info_flat, no_kwargs, const_args = loaded[:5]
     return jax.stages.Compiled(
-        moved.load(), [], in_tree.unflatten(args_info_flat), out_tree, no_kwargs=no_kwargs
+        moved.load(),
+        list(const_args),
+        in_tree.unflatten(args_info_flat),
+        out_tree,
+        no_kwargs=no_kwargs,
     )
 
 
