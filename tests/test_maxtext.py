@@ -43,7 +43,7 @@ LLAMA2_TINY = [
 
 
 def run_cli(
-    args: list[str], tmp_path: Path, timeout: int = 600, *, nproc: int = 1, name: str = "metrics"
+    args: list[str], tmp_path: Path, timeout: int = 270, *, nproc: int = 1, name: str = "metrics"
 ) -> tuple[dict, str]:
     """``multimesh-run`` in one process with 8 CPU devices, or under the launcher in
     ``nproc`` processes sharing them."""
@@ -57,14 +57,22 @@ def run_cli(
             sys.executable, "-m", "multimesh.launch", "--nproc", str(nproc),
             "--devices-per-process", str(8 // nproc), "-m", "multimesh.run",
         ]  # fmt: skip
-    proc = subprocess.run(
-        [*head, *args, "--metrics", str(metrics)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=tmp_path,
-    )
+    try:  # within pytest's 300 s, so a hang fails with the run's output
+        proc = subprocess.run(
+            [*head, *args, "--metrics", str(metrics)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=tmp_path,
+        )
+    except subprocess.TimeoutExpired as e:  # the launcher's ranks die with it
+        text = "".join(
+            t.decode(errors="replace") if isinstance(t, bytes) else t
+            for t in (e.stdout or "", e.stderr or "")
+        )
+        tail = "\n".join(ln for ln in text.splitlines() if "peer ranks" not in ln)
+        pytest.fail(f"multimesh-run timed out after {timeout} s:\n{tail[-4000:]}")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     return json.loads(metrics.read_text()), out
