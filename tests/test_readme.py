@@ -32,6 +32,13 @@ def test_readme_snippets_run(tmp_path):
 def test_readme_links_stay_in_the_repo():
     text = (ROOT / "README.md").read_text()
     assert "<image>" not in text and "shared folder" not in text
+    # GitHub's heading anchors: lower case, punctuation dropped, spaces as dashes
+    anchors = {
+        re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.+)$", text, flags=re.M)
+    }
     for link in re.findall(r"\]\(([^)]+)\)", text):
-        if not link.startswith("http"):
+        if link.startswith("#"):
+            assert link[1:] in anchors, (link, sorted(anchors))
+        elif not link.startswith("http"):
             assert (ROOT / link).exists(), link
