@@ -53,6 +53,17 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)  # stable: the order within each module is kept
 
 
+@pytest.fixture(autouse=True)
+def _fresh_shared_executables():
+    """Each test starts without executables other tests' ``mm.jit`` objects made (they
+    are shared process-wide, ``runtime.compiling.SHARED``): its compile counts are its
+    own. Tests comparing two ways of compiling turn sharing off themselves."""
+    from multimesh.runtime import compiling
+
+    compiling.SHARED.cache_clear()
+    yield
+
+
 def to_np(tree):
     def conv(a):
         if hasattr(a, "dtype") and jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended):

@@ -14,6 +14,13 @@ import multimesh as mm
 from multimesh.runtime import compiling
 
 
+@pytest.fixture(autouse=True)
+def _no_sharing_between_jits(monkeypatch):
+    """These tests compare ways of compiling (threads, relocation, caches) across mm.jit
+    objects: each compiles its own (sharing has its own tests below)."""
+    monkeypatch.setenv("MULTIMESH_SHARED_EXECUTABLES", "0")
+
+
 def loss(ws, x):
     """Four residual tanh layers, one task (stage) each."""
     h = x
@@ -1180,3 +1187,80 @@ def test_parameters_lowering_ignores_do_not_split_executables(kind):
         stats[variant] = c.compile_stats
     assert stats[f"{kind}_per_layer"] == stats[f"{kind}_once"], stats
     assert stats[f"{kind}_once"]["relocated"] >= 2, stats
+
+
+def test_a_new_mm_jit_of_a_compiled_program_shares_its_executables(monkeypatch):
+    """As jax.jit does for a function it has seen, a second mm.jit of the same program
+    (the function wrapped again, a rebuilt model) compiles nothing: it uses the
+    executables the first made; values stay bit-identical."""
+    monkeypatch.setenv("MULTIMESH_SHARED_EXECUTABLES", "1024")
+    step, ws, x, mesh = one_device_pipeline(5)
+    first = mm.jit(step, mesh=mesh).lower(ws, x).compile()
+    assert first.compile_stats["shared"] == 0 and first.compile_stats["compiled"] > 0
+    again = mm.jit(step, mesh=mesh).lower(ws, x).compile()
+    rebuilt = mm.jit(pipeline_step("1f1b"), mesh=mesh).lower(ws, x).compile()  # a new trace
+    for c in (again, rebuilt):
+        assert c.compile_stats["compiled"] == 0 and c.compile_stats["relocated"] == 0
+        assert c.compile_stats["shared"] == c.num_executables, c.compile_stats
+    want = jax.jit(step)(ws, x)
+    for c in (first, again, rebuilt):
+        for a, r in zip(jax.tree.leaves(c(ws, x)), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-7)
+    # other devices, another schedule: compiled (or relocated), not shared
+    other = mm.make_mesh((4,), ("stage",), devices=jax.devices()[4:])
+    moved = mm.jit(step, mesh=other).lower(ws, x).compile()
+    assert moved.compile_stats["shared"] == 0, moved.compile_stats
+    # jax.clear_caches() empties it; 0 turns sharing off
+    jax.clear_caches()
+    assert len(compiling.SHARED) == 0
+    assert mm.jit(step, mesh=mesh).lower(ws, x).compile().compile_stats["shared"] == 0
+    monkeypatch.setenv("MULTIMESH_SHARED_EXECUTABLES", "0")
+    assert mm.jit(step, mesh=mesh).lower(ws, x).compile().compile_stats["shared"] == 0
+    monkeypatch.setenv("MULTIMESH_SHARED_EXECUTABLES", "lots")
+    with pytest.raises(ValueError, match="MULTIMESH_SHARED_EXECUTABLES='lots'"):
+        mm.jit(step, mesh=mesh).lower(ws, x).compile()
+
+
+def test_sharing_never_mixes_programs_that_differ(monkeypatch):
+    """Programs whose fragments look alike but are not the same never share: Python
+    callbacks of the same text (keyed by identity, kept alive by the entry), other JAX
+    settings (x64, matmul precision), other shardings of the inputs."""
+    monkeypatch.setenv("MULTIMESH_SHARED_EXECUTABLES", "1024")
+    mesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+
+    def make(k):
+        def cb(a):
+            return (np.asarray(a) * k).astype(a.dtype)
+
+        def f(x):
+            with mm.task("a", stage=0):
+                y = jax.pure_callback(cb, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+            with mm.task("b", stage=1):
+                return y + 1
+
+        return f
+
+    x = jnp.arange(4.0)
+    for k in (2.0, 3.0, 5.0):  # each callback made anew (the last may reuse an address)
+        got = mm.jit(make(k), mesh=mesh)(x)
+        np.testing.assert_array_equal(np.asarray(got), np.arange(4.0) * k + 1)
+
+    def g(x):
+        with mm.task("a", stage=0):
+            y = x @ x.T
+        with mm.task("b", stage=1):
+            return y * 2
+
+    xs = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
+    base = mm.jit(g, mesh=mesh).lower(xs).compile()
+    with jax.default_matmul_precision("highest"):
+        hi = mm.jit(g, mesh=mesh).lower(xs).compile()
+    assert hi.compile_stats["shared"] == 0, hi.compile_stats
+    with jax.enable_x64(True):
+        wide = mm.jit(g, mesh=mesh).lower(xs.astype(np.float64)).compile()
+        assert wide.compile_stats["shared"] == 0
+        assert wide(xs.astype(np.float64)).dtype == np.float64
+    sub = mesh.submesh(0)
+    split = jax.device_put(xs, jax.sharding.NamedSharding(sub, jax.P()))
+    assert mm.jit(g, mesh=mesh).lower(split).compile().compile_stats["shared"] > 0
+    np.testing.assert_allclose(np.asarray(base(xs)), xs @ xs.T * 2, rtol=1e-5)

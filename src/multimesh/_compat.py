@@ -669,6 +669,14 @@ def checkify_error_type() -> type | None:
     return getattr(mod, "Error", None) if mod is not None else None
 
 
+def config_key() -> Any:
+    """The JAX settings a program is traced and lowered under (x64, matmul precision,
+    the mesh context, ...), hashable: what ``jax.jit`` adds to its cache keys."""
+    from jax._src import config as _config
+
+    return _config.trace_context()
+
+
 def caller_config() -> Callable[[Callable[[], Any]], Callable[[], Any]]:
     """Wrap jobs for another thread so that they see this thread's JAX settings.
 

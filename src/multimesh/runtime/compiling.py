@@ -14,6 +14,7 @@ raised from the first failing step in plan order, as a sequential compile would.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
 import gc
@@ -391,13 +392,15 @@ def device_free_key(mesh: jax.sharding.Mesh, parts: Any) -> Hashable | None:
 
 
 class CompileStats:
-    """How a plan's executables were made: ``compiled`` by XLA, or ``relocated`` (another
-    submesh's executable loaded for these devices), and on how many ``threads``."""
+    """How a plan's executables were made: ``compiled`` by XLA, ``relocated`` (another
+    submesh's executable loaded for these devices), or ``shared`` (made earlier in this
+    process by another ``mm.jit`` of the same fragment), and on how many ``threads``."""
 
     def __init__(self, threads: int = 1) -> None:
         self._lock = threading.Lock()
         self.compiled = 0
         self.relocated = 0
+        self.shared = 0
         self.threads = threads  # compile threads this process used
 
     def add(self, what: str) -> None:
@@ -405,7 +408,84 @@ class CompileStats:
             setattr(self, what, getattr(self, what) + 1)
 
     def as_dict(self) -> dict[str, int]:
-        return {"compiled": self.compiled, "relocated": self.relocated, "threads": self.threads}
+        return {
+            "compiled": self.compiled,
+            "relocated": self.relocated,
+            "shared": self.shared,
+            "threads": self.threads,
+        }
+
+
+class SharedExecutables:
+    """The executables of every ``mm.jit`` of this process, by fragment key (its program's
+    fingerprint, input and output shardings, donations, avals, compiler options, embedded
+    placements) and the JAX settings it was compiled under: a new ``mm.jit`` of a program
+    compiled before (the same function wrapped again, a rebuilt model, a second run in
+    one process) loads nothing anew, as ``jax.jit`` does for a function it has seen.
+
+    Least recently used entries go past ``MULTIMESH_SHARED_EXECUTABLES`` (default 1024;
+    0 turns sharing off); ``jax.clear_caches()`` empties it. Each entry keeps its
+    fragment's program alive: Python callbacks in it are keyed by identity, and a live
+    object's identity is never reused by another."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: collections.OrderedDict[Hashable, tuple[Any, Any]] = (
+            collections.OrderedDict()
+        )
+
+    @staticmethod
+    def capacity() -> int:
+        env = os.environ.get("MULTIMESH_SHARED_EXECUTABLES", "1024").strip()
+        try:
+            return max(0, int(env))
+        except ValueError:
+            raise ValueError(
+                f"MULTIMESH_SHARED_EXECUTABLES={env!r}: expected a whole number of "
+                "executables (0 turns sharing between mm.jit objects off)"
+            ) from None
+
+    def get(self, key: Hashable) -> Any:
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is None:
+                return None
+            self._entries.move_to_end(key)
+            return hit[0]
+
+    def put(self, key: Hashable, exe: Any, keep: Any, capacity: int) -> None:
+        with self._lock:
+            self._entries[key] = (exe, keep)
+            self._entries.move_to_end(key)
+            while len(self._entries) > capacity:
+                self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def cache_clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+SHARED = SharedExecutables()
+_compat.register_cache(SHARED, "multimesh: executables shared by mm.jit objects")
+
+
+def compile_shared(key: Hashable, keep: Any, make: Callable[[], Any], stats: CompileStats) -> Any:
+    """``make()``, or the executable another ``mm.jit`` of this process made for ``key``
+    under the same JAX settings (see :class:`SharedExecutables`)."""
+    capacity = SHARED.capacity()
+    if capacity == 0:
+        return make()
+    full = (key, _compat.config_key())
+    hit = SHARED.get(full)
+    if hit is not None:
+        stats.add("shared")
+        return hit
+    exe = make()
+    SHARED.put(full, exe, keep, capacity)
+    return exe
 
 
 def compile_or_relocate(

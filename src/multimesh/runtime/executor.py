@@ -244,14 +244,18 @@ class Executable:
                     body=body,
                     info=info,
                     mesh=mesh,
+                    jaxpr=jaxpr,
                 ) -> Any:
                     def build() -> Any:
                         return _compile(body, in_sh, out_sh, donate, avals, options, info, mesh)
 
+                    def make() -> Any:
+                        return compiling.compile_or_relocate(cache, rkey, mesh, build, stats)
+
+                    # this mm.jit's identical fragments share one; other mm.jit objects
+                    # of this process share those they made before
                     return compiling.compile_once(
-                        cache,
-                        key,
-                        lambda: compiling.compile_or_relocate(cache, rkey, mesh, build, stats),
+                        cache, key, lambda: compiling.compile_shared(key, jaxpr, make, stats)
                     )
 
                 remote = loc is not None and not loc.has(mesh.devices.flat)
