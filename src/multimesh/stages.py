@@ -691,11 +691,13 @@ class Compiled(_ArgsInfo):
 
     @property
     def compile_stats(self) -> dict[str, int]:
-        """How this compile made its executables: ``compiled`` by XLA, or ``relocated``
+        """How this compile made its executables: ``compiled`` by XLA, ``relocated``
         (the executable of the same program on another submesh of the same shape, loaded
-        for this one's devices in milliseconds). Fragments identical to one made earlier
-        (by this ``mm.jit``) count in neither. ``threads``: how many compile threads this
-        process used (``MULTIMESH_COMPILE_THREADS``; by default its share of the CPUs)."""
+        for this one's devices in milliseconds), or ``shared`` (made before by another
+        ``mm.jit`` of this process; ``MULTIMESH_SHARED_EXECUTABLES``). Fragments identical
+        to one made earlier by this ``mm.jit`` count in none. ``threads``: how many
+        compile threads this process used (``MULTIMESH_COMPILE_THREADS``; by default its
+        share of the CPUs)."""
         return self._exe.compile_stats.as_dict()
 
     @property
