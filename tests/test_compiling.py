@@ -1203,10 +1203,13 @@ def test_a_new_mm_jit_of_a_compiled_program_shares_its_executables(monkeypatch):
         assert c.compile_stats["compiled"] == 0 and c.compile_stats["relocated"] == 0
         assert c.compile_stats["shared"] == c.num_executables, c.compile_stats
     want = jax.jit(step)(ws, x)
-    for c in (first, again, rebuilt):
-        for a, r in zip(jax.tree.leaves(c(ws, x)), jax.tree.leaves(want), strict=True):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-7)
-    # other devices, another schedule: compiled (or relocated), not shared
+    got = [jax.tree.leaves(c(ws, x)) for c in (first, again, rebuilt)]
+    for a, r in zip(got[0], jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-7)
+    for other_leaves in got[1:]:  # the same executables: the same bits
+        for a, b in zip(other_leaves, got[0], strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the same program on other devices: compiled (or relocated), not shared
     other = mm.make_mesh((4,), ("stage",), devices=jax.devices()[4:])
     moved = mm.jit(step, mesh=other).lower(ws, x).compile()
     assert moved.compile_stats["shared"] == 0, moved.compile_stats

@@ -407,8 +407,8 @@ def test_metrics_are_strict_json(tmp_path):
 def test_compare_spmd_names_a_non_finite_loss(capsys):
     """A diverged run (NaN/inf losses) fails --compare-spmd and says why (it said the
     losses differ by more than --tolerance)."""
-    code = cli.main([*SMALL, "--num-steps", "2", "--learning-rate", "1e30", "--pp", "2", "--dp", "4",
-                     "--num-layers", "2"])
+    small = ["--pp", "2", "--dp", "4", "--num-layers", "2"]
+    code = cli.main([*SMALL, *small, "--num-steps", "2", "--learning-rate", "1e30"])
     out = capsys.readouterr().out
     assert code == 1
     assert "a loss is not finite (NaN or inf)" in out.strip().splitlines()[-1], out[-500:]
