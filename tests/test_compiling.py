@@ -1209,10 +1209,14 @@ def test_a_new_mm_jit_of_a_compiled_program_shares_its_executables(monkeypatch):
     for other_leaves in got[1:]:  # the same executables: the same bits
         for a, b in zip(other_leaves, got[0], strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # the same program on other devices: compiled (or relocated), not shared
+    # the same program on other devices: not shared, but relocated from the first's
+    # executables (nothing compiled anew), with the same bits
     other = mm.make_mesh((4,), ("stage",), devices=jax.devices()[4:])
     moved = mm.jit(step, mesh=other).lower(ws, x).compile()
-    assert moved.compile_stats["shared"] == 0, moved.compile_stats
+    assert moved.compile_stats["shared"] == 0 and moved.compile_stats["compiled"] == 0
+    assert moved.compile_stats["relocated"] == moved.num_executables, moved.compile_stats
+    for a, b in zip(jax.tree.leaves(moved(ws, x)), got[0], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # jax.clear_caches() empties it; 0 turns sharing off
     jax.clear_caches()
     assert len(compiling.SHARED) == 0

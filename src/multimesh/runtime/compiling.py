@@ -422,6 +422,9 @@ class SharedExecutables:
     placements) and the JAX settings it was compiled under: a new ``mm.jit`` of a program
     compiled before (the same function wrapped again, a rebuilt model, a second run in
     one process) loads nothing anew, as ``jax.jit`` does for a function it has seen.
+    It also keeps, by device-free key, the submesh each relocatable executable was
+    compiled for: the same program on other devices relocates from it
+    (:func:`compile_or_relocate`) instead of compiling again.
 
     Least recently used entries go past ``MULTIMESH_SHARED_EXECUTABLES`` (default 1024;
     0 turns sharing off); ``jax.clear_caches()`` empties it. Each entry keeps its
@@ -494,10 +497,13 @@ def compile_or_relocate(
     mesh: jax.sharding.Mesh,
     build: Callable[[], Any],
     stats: CompileStats,
+    keep: Any = None,
 ) -> Any:
     """``build()``, or the executable already built for the same device-free key on
     another submesh, loaded for ``mesh``'s devices (milliseconds instead of a compile).
-    The first fragment of a key compiles; later ones wait for it, then relocate."""
+    The first fragment of a key compiles; later ones wait for it, then relocate. The
+    source may also be one an earlier ``mm.jit`` of this process compiled (kept in
+    :data:`SHARED` with ``keep``, as :func:`compile_shared` does)."""
 
     def compile_here() -> Any:
         stats.add("compiled")
@@ -506,10 +512,18 @@ def compile_or_relocate(
     if rkey is None or not _relocation_on():
         return compile_here()
     claimed: list[bool] = []  # this fragment is the one that compiles the key
+    capacity = SHARED.capacity()
+    shared_key = ("relocatable", rkey, _compat.config_key())
 
     def first() -> tuple[Any, jax.sharding.Mesh]:
+        earlier = SHARED.get(shared_key) if capacity else None
+        if earlier is not None:  # another mm.jit compiled it: relocate from that
+            return earlier
         claimed.append(True)
-        return compile_here(), mesh
+        made = compile_here(), mesh
+        if capacity:
+            SHARED.put(shared_key, made, keep, capacity)
+        return made
 
     try:
         src, src_mesh = compile_once(cache, ("relocatable", rkey), first)
@@ -518,6 +532,9 @@ def compile_or_relocate(
             raise
         return compile_here()
     if claimed:
+        return src
+    if tuple(d.id for d in src_mesh.devices.flat) == tuple(d.id for d in mesh.devices.flat):
+        stats.add("shared")  # the shared source was compiled for these very devices
         return src
     mapping = dict(zip((d.id for d in src_mesh.devices.flat), mesh.devices.flat))
     try:

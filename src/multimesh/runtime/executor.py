@@ -250,7 +250,7 @@ class Executable:
                         return _compile(body, in_sh, out_sh, donate, avals, options, info, mesh)
 
                     def make() -> Any:
-                        return compiling.compile_or_relocate(cache, rkey, mesh, build, stats)
+                        return compiling.compile_or_relocate(cache, rkey, mesh, build, stats, jaxpr)
 
                     # this mm.jit's identical fragments share one; other mm.jit objects
                     # of this process share those they made before
