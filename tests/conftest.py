@@ -5,6 +5,17 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+#: XLA:CPU's LLVM optimizations off for the tests run in this process: their programs are
+#: tiny, and compiling is most of their time (the default tier takes ~17% less). Both
+#: sides of every comparison (mm.jit and the jax.jit reference) compile alike; the tests
+#: that start processes (the CLI, notebooks, the step benchmark's bit-identity check,
+#: multi-process, MaxText) run at XLA's defaults. MULTIMESH_TEST_XLA_OPT=1 keeps XLA's
+#: defaults here too.
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+if os.environ.get("MULTIMESH_TEST_XLA_OPT", "0") == "0" and (
+    "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]
+):
+    os.environ["XLA_FLAGS"] += " " + FAST_COMPILE_FLAG
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

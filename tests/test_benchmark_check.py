@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,7 @@ def test_step_benchmark_runs_bit_identical_and_reports_every_target(tmp_path):
         [sys.executable, str(ROOT / "benchmarks" / "step.py"), "--quick", "--widths", "256",
          "--schedules", "1f1b", "interleaved-1f1b", "--repeats", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=240, cwd=ROOT / "benchmarks",
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # XLA's defaults
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
