@@ -442,7 +442,7 @@ def main() -> None:
     if which == "mismatch":
         mismatched_placement()
     if which == "plan-timeout":  # only rank 0 calls: it must not wait forever
-        os.environ["MULTIMESH_PLAN_TIMEOUT"] = "5"
+        os.environ.update(MULTIMESH_PLAN_TIMEOUT="5", MULTIMESH_WAIT_NOTICE="2")
         if jax.process_index() == 0:
             f = mm.jit(
                 lambda x: mm.task(lambda v: v * 2, name="t", stage=1)(x),

@@ -165,6 +165,8 @@ def test_a_process_that_never_plans_is_a_clear_error(tmp_path):
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
     assert "process 1 did not build its plan number 0 within 5 s" in text, text[-3000:]
+    # ... after naming the wait on stderr (MULTIMESH_WAIT_NOTICE, 2 s in the worker)
+    assert "has waited 2 s for process 1 to plan the same call" in text, text[-3000:]
 
 
 def test_rank_dying_of_an_exception_stops_the_job_quickly(tmp_path):
@@ -350,6 +352,26 @@ def test_to_host_keeps_recent_outputs_per_program(monkeypatch):
     live = [c for c in range(1, len(a) + 1) if _host._lookup(f"111:{c}:0") is not None]
     assert live == list(range(len(a) - keep + 1, len(a) + 1))
     assert _host._lookup(f"111:{len(a)}:0") is a[-1]
+
+
+def test_a_long_wait_for_a_peer_is_named_once_on_stderr(monkeypatch, capsys):
+    """Work whose result goes to a peer that never takes it (a peer making other mm.jit
+    calls, or the same in another order) is named on stderr after MULTIMESH_WAIT_NOTICE,
+    once per wait, instead of waiting silently until MULTIMESH_PLAN_TIMEOUT."""
+    from multimesh.runtime import transport
+
+    monkeypatch.setenv("MULTIMESH_WAIT_NOTICE", "0.3")
+    monkeypatch.setattr(transport, "_exiting", lambda peer: False)
+    watch = transport._Watch()
+    watch.POLL_S = 0.05
+    with watch.waiting_for(3):
+        time.sleep(1.2)
+    with watch.waiting_for(5):  # a short wait says nothing
+        time.sleep(0.1)
+    time.sleep(0.2)
+    err = capsys.readouterr().err
+    assert err.count("on work whose result goes to process 3") == 1, err
+    assert "same mm.jit calls in the same order" in err and "process 5" not in err, err
 
 
 def test_culprit_is_not_a_rank_aborted_after_its_peer():

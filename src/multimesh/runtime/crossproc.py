@@ -96,7 +96,17 @@ def check_same_plan(
     for p in group:
         if p == loc.me:
             continue
-        raw = _poll(kv, f"multimesh/plan/{tag}/{seq}/{p}", timeout_s, gone=_exiting_key(p))
+        key, first = f"multimesh/plan/{tag}/{seq}/{p}", min(timeout_s, tp.wait_notice_s())
+        raw = _poll(kv, key, first, gone=_exiting_key(p))
+        if raw is None and timeout_s > first:
+            sys.stderr.write(
+                f"multimesh: {what} on process {loc.me} has waited {first:.0f} s for process "
+                f"{p} to plan the same call (its plan number {seq}); every process must call "
+                "the same mm.jit functions in the same order. Waiting up to "
+                f"{timeout_s:.0f} s (MULTIMESH_PLAN_TIMEOUT).\n"
+            )
+            sys.stderr.flush()
+            raw = _poll(kv, key, timeout_s - first, gone=_exiting_key(p))
         if raw is _GONE:
             raise RuntimeError(
                 f"{what}: process {p} exited (sys.exit, an error it caught, or the end of "
@@ -153,7 +163,7 @@ def exchange_with_all(key: str, value: str, what: str) -> dict[int, str]:
             continue
         # a first wait of a minute, then a word on stderr (a peer that skipped this
         # call and went on, e.g. to its next mm.jit step, cannot be told from a slow one)
-        first = min(timeout_s, float(os.environ.get("MULTIMESH_WAIT_NOTICE", "60")))
+        first = min(timeout_s, tp.wait_notice_s())
         raw = _poll(kv, f"{key}/{p}", first, gone=_exiting_key(p))
         if raw is None and timeout_s > first:
             sys.stderr.write(

@@ -184,7 +184,8 @@ class _Watch:
     this process with a message naming the peer instead: 10 s after the peer marked
     itself exiting (which it does once its own pending work is done, or after 30 s:
     ``_host.mark_exiting``), or after ``MULTIMESH_PLAN_TIMEOUT`` (default 1800 s) in one
-    wait.
+    wait. A wait longer than ``MULTIMESH_WAIT_NOTICE`` (default 60 s) is named on stderr
+    once (a peer making other mm.jit calls, or the same in another order, waits too).
     The launcher (or SLURM, mpirun) then stops the others."""
 
     GRACE_S = 10.0
@@ -213,12 +214,25 @@ class _Watch:
 
     def _run(self) -> None:
         exiting_since: dict[int, float] = {}
+        noticed: set[tuple[float, int]] = set()
         while True:
             time.sleep(self.POLL_S)
             now = time.monotonic()
             with self._lock:
                 waits = list(self._waits.values())
+            noticed &= set(waits)
             for since, peer in waits:
+                notice = wait_notice_s()
+                if now - since > notice and (since, peer) not in noticed:
+                    noticed.add((since, peer))
+                    sys.stderr.write(
+                        f"multimesh: process {jax.process_index()} has waited "
+                        f"{now - since:.0f} s on work whose result goes to process {peer}; "
+                        "every process must make the same mm.jit calls in the same order "
+                        "(a peer busy compiling or loading data also takes this long). "
+                        "Waiting up to MULTIMESH_PLAN_TIMEOUT.\n"
+                    )
+                    sys.stderr.flush()
                 if peer not in exiting_since and _exiting(peer):
                     exiting_since[peer] = now
                 if now - max(since, exiting_since.get(peer, now)) > self.GRACE_S:
@@ -234,6 +248,13 @@ class _Watch:
                         f"whose result goes to process {peer} (MULTIMESH_PLAN_TIMEOUT): is a "
                         "process stuck, or making other mm.jit calls than this one?"
                     )
+
+
+def wait_notice_s() -> float:
+    """After how long a wait for another process is worth a word on stderr
+    (``MULTIMESH_WAIT_NOTICE``, default 60 s): a peer that skipped a call, or makes its
+    calls in another order, cannot be told from a slow one until the timeout."""
+    return float(os.environ.get("MULTIMESH_WAIT_NOTICE", "60"))
 
 
 def _exiting(peer: int) -> bool:
