@@ -732,12 +732,16 @@ def test_no_split_where_the_shared_part_matches_no_other_submesh():
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
 
 
-def test_layouts_replicated_decides_the_split():
-    """The split of shared tasks needs layouts known before compiling (replicated data):
-    a sharded argument, an ``in_shardings`` entry or a constraint that shards turns it
-    off (FSDP pipelines keep one fragment per stage and phase)."""
+def test_layouts_replicated_and_the_split_of_sharded_stages(monkeypatch):
+    """Layouts are known before compiling where data is replicated on each submesh: a
+    sharded argument, an ``in_shardings`` entry or a constraint that shards says they
+    are not (committed batches are then not cut inside the microbatches). Shared tasks
+    still run apart from a stage's own on sharded stages: the end stages' blocks then
+    load the middle stages' executables there too; values equal jax.jit."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from multimesh.compiler import fragment as frag_pass
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("stage", "data"))
     jaxpr_of = lambda f: jax.make_jaxpr(f)(jnp.ones((4, 2))).jaxpr  # noqa: E731
@@ -758,9 +762,20 @@ def test_layouts_replicated_decides_the_split():
     mesh42 = mm.make_mesh((4, 2), ("stage", "data"))
     split = mm.jit(step, mesh=mesh42).lower(params, x, y)
     assert "embed:F0" in {f.name for f in split.plan.fragments}
-    dp = mm.jit(step, mesh=mesh42, in_shardings=(None, P("data"), P("data"))).lower(params, x, y)
+    dp_step = mm.jit(step, mesh=mesh42, in_shardings=(None, P("data"), P("data")))
+    dp = dp_step.lower(params, x, y).compile()
     names = {f.name for f in dp.plan.fragments}
-    assert "embed:F0" not in names and any(n.startswith("embed+block0:") for n in names), names
+    assert {"embed:F0", "block0:F0", "block3:F0"} <= names, sorted(names)
+    with mesh42:
+        ref = jax.jit(step, in_shardings=(None, P("data"), P("data")))(params, x, y)
+    for a, r in zip(jax.tree.leaves(dp(params, x, y)), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(frag_pass, "_segments", lambda *a: None)
+    whole = dp_step.lower(params, x, y).compile()
+    assert any(n.startswith("embed+block0:") for n in (f.name for f in whole.plan.fragments))
+    # block0's and block3's forward and backward: loaded, not compiled
+    got, was = dp.compile_stats, whole.compile_stats
+    assert got["relocated"] >= was["relocated"] + 4, (got, was)
 
 
 def test_loss_zero_made_on_the_host_so_every_stage_shares_one_pre_loop_program():

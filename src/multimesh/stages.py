@@ -184,16 +184,15 @@ class Lowered(_ArgsInfo):
         prog, host_consts, keep = host_inputs.bind_host_consts(prog, labels)
         if keep is not None:
             labels = labels.select(keep)
-        # a stage's shared tasks (blocks) split from its own (embedding, head) share the
-        # other stages' executables only where layouts are known before compiling
-        split = compiling.layouts_replicated(
+        # where layouts are known before compiling (data replicated on each submesh),
+        # microbatches of arguments already on a submesh are cut inside each
+        # microbatch's work, at offsets given as inputs
+        replicated = compiling.layouts_replicated(
             arg_shardings, fn._in_shardings, traced.jaxpr.jaxpr, stage_axis
         )
-        # ... and there, microbatches of arguments already on a submesh are cut inside
-        # each microbatch's work, at offsets given as inputs
         cuts: dict[int, Any] = {}
         follow: frozenset[Any] = frozenset()  # the cuts: each runs where it is used
-        if split:
+        if replicated:
             prog, labels, cuts, follow = host_inputs.bind_microbatch_cuts(
                 prog,
                 labels,
@@ -228,7 +227,8 @@ class Lowered(_ArgsInfo):
             if prog2 is not prog:
                 prog, labels = prog2, labels2
                 placement = place.place(prog, labels, locs, default, follow=follow)
-        frags = frag_pass.fragment(prog, placement, labels, traced.loops, split_shared=split)
+        # a stage's shared tasks (blocks) run apart from its own (embedding, head)
+        frags = frag_pass.fragment(prog, placement, labels, traced.loops)
         # keys move as their data (between processes, also key arguments)
         prog, labels, placement, frags = keys.keys_as_data(
             prog, labels, placement, frags, inputs=jax.process_count() > 1
