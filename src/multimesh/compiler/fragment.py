@@ -94,15 +94,13 @@ def fragment(
     placement: Placement,
     labels: Labels | None = None,
     loops: list[Any] | None = None,
-    split_shared: bool = True,
 ) -> list[Fragment]:
-    """Group instances into fragments, in dispatch order (``split_shared``: run a
-    submesh's tasks that other submeshes also run apart from its own, see
-    ``_segments``)."""
+    """Group instances into fragments, in dispatch order (a submesh's tasks that other
+    submeshes also run apart from its own, see ``_segments``)."""
     loops = loops or []
     n = len(prog.eqns)
     mbs = labels.microbatch if labels is not None and labels.microbatch else [None] * n
-    segments = _segments(prog, placement, labels, mbs) if split_shared else None
+    segments = _segments(prog, placement, labels, mbs)
     if segments is not None:
         try:
             return _fragment(prog, placement, labels, loops, mbs, segments)

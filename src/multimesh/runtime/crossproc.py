@@ -96,17 +96,15 @@ def check_same_plan(
     for p in group:
         if p == loc.me:
             continue
-        key, first = f"multimesh/plan/{tag}/{seq}/{p}", min(timeout_s, tp.wait_notice_s())
-        raw = _poll(kv, key, first, gone=_exiting_key(p))
-        if raw is None and timeout_s > first:
-            sys.stderr.write(
-                f"multimesh: {what} on process {loc.me} has waited {first:.0f} s for process "
-                f"{p} to plan the same call (its plan number {seq}); every process must call "
-                "the same mm.jit functions in the same order. Waiting up to "
-                f"{timeout_s:.0f} s (MULTIMESH_PLAN_TIMEOUT).\n"
-            )
-            sys.stderr.flush()
-            raw = _poll(kv, key, timeout_s - first, gone=_exiting_key(p))
+        raw = _wait_for(
+            kv,
+            f"multimesh/plan/{tag}/{seq}/{p}",
+            p,
+            timeout_s,
+            f"{what} on process {loc.me} has waited {{s:.0f}} s for process {p} to plan the "
+            f"same call (its plan number {seq}); every process must call the same mm.jit "
+            "functions in the same order.",
+        )
         if raw is _GONE:
             raise RuntimeError(
                 f"{what}: process {p} exited (sys.exit, an error it caught, or the end of "
@@ -161,18 +159,14 @@ def exchange_with_all(key: str, value: str, what: str) -> dict[int, str]:
     for p in range(n):
         if p == me:
             continue
-        # a first wait of a minute, then a word on stderr (a peer that skipped this
-        # call and went on, e.g. to its next mm.jit step, cannot be told from a slow one)
-        first = min(timeout_s, tp.wait_notice_s())
-        raw = _poll(kv, f"{key}/{p}", first, gone=_exiting_key(p))
-        if raw is None and timeout_s > first:
-            sys.stderr.write(
-                f"multimesh: {what} on process {me} has waited {first:.0f} s for process "
-                f"{p} to reach it; every process must call it (not only process 0). "
-                f"Waiting up to {timeout_s:.0f} s (MULTIMESH_PLAN_TIMEOUT).\n"
-            )
-            sys.stderr.flush()
-            raw = _poll(kv, f"{key}/{p}", timeout_s - first, gone=_exiting_key(p))
+        raw = _wait_for(
+            kv,
+            f"{key}/{p}",
+            p,
+            timeout_s,
+            f"{what} on process {me} has waited {{s:.0f}} s for process {p} to reach it; "
+            "every process must call it (not only process 0).",
+        )
         if raw is _GONE:
             raise RuntimeError(
                 f"{what}: process {p} exited without taking part. Every process must call "
@@ -186,6 +180,23 @@ def exchange_with_all(key: str, value: str, what: str) -> dict[int, str]:
             )
         out[p] = raw.decode() if isinstance(raw, bytes) else str(raw)
     return out
+
+
+def _wait_for(kv: Any, key: str, peer: int, timeout_s: float, notice: str) -> Any:
+    """``_poll`` for ``peer``'s ``key``: after ``MULTIMESH_WAIT_NOTICE`` (a minute) a word
+    on stderr (``notice``, formatted with the seconds waited ``s``: a peer that skipped
+    this call and went on, or calls in another order, cannot be told from a slow one),
+    then the rest of ``timeout_s``."""
+    first = min(timeout_s, tp.wait_notice_s())
+    raw = _poll(kv, key, first, gone=_exiting_key(peer))
+    if raw is None and timeout_s > first:
+        sys.stderr.write(
+            f"multimesh: {notice.format(s=first)} Waiting up to {timeout_s:.0f} s "
+            "(MULTIMESH_PLAN_TIMEOUT).\n"
+        )
+        sys.stderr.flush()
+        raw = _poll(kv, key, timeout_s - first, gone=_exiting_key(peer))
+    return raw
 
 
 def _exiting_key(process: int) -> str:

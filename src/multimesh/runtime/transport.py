@@ -221,8 +221,8 @@ class _Watch:
             with self._lock:
                 waits = list(self._waits.values())
             noticed &= set(waits)
+            notice = wait_notice_s()
             for since, peer in waits:
-                notice = wait_notice_s()
                 if now - since > notice and (since, peer) not in noticed:
                     noticed.add((since, peer))
                     sys.stderr.write(
