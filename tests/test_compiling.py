@@ -952,6 +952,7 @@ def test_jaxpr_fingerprint_ignores_names_not_values():
     assert fp(lambda a: jnp.tanh(a), x) != fp(lambda a: jnp.sin(a), x)
     assert fp(lambda a: a + 1, x) != fp(lambda a: a + 1, x.astype(jnp.bfloat16))
     assert fp(lambda a: a * 2, 1.0) != fp(lambda a: a * 2, jnp.float32(1.0))  # weak type
+    assert fp(lambda a: a * 0.0, x) != fp(lambda a: a * -0.0, x)  # literals by their bits
 
     # a nested jit's closed-over constants, and large array parameters, by value
     def nested(c):

@@ -414,17 +414,33 @@ _AD_ONLY = frozenset({"jvp_jaxpr_fun", "jvp_jaxpr_thunk", "fwd_jaxpr_thunk", "bw
 _NOT_LOWERED = {"remat2": frozenset({"policy"}), "reduce": frozenset({"computation"})}
 
 
+_DTYPE_TEXT: dict[Any, str] = {}  # NumPy dtypes' names (``str(dtype)`` is slow)
+
+
+def _dtype_text(dtype: Any) -> str:
+    text = _DTYPE_TEXT.get(dtype)
+    if text is None:
+        text = _DTYPE_TEXT[dtype] = str(dtype)
+    return text
+
+
 def _value_token(v: Any) -> Any:
     """An array or scalar by its bytes (its text elides large arrays, and every NaN
     prints as ``nan``)."""
-    dtype = getattr(v, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
-        return ("keys", str(dtype), _value_token(jax.random.key_data(v)))
-    if isinstance(v, jax.Array) and not v.is_fully_addressable:
-        # other processes hold part of it: by identity (kept alive by its jaxpr)
-        return ("global array", v.shape, str(v.dtype), str(v.sharding), id(v))
-    a = np.asarray(v)
-    return ("array", a.shape, str(a.dtype), hashlib.blake2b(a.tobytes(), digest_size=16).digest())
+    if type(v) is np.ndarray or isinstance(v, np.generic):  # literals: the common case
+        a = v
+    else:
+        dtype = getattr(v, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+            return ("keys", str(dtype), _value_token(jax.random.key_data(v)))
+        if isinstance(v, jax.Array) and not v.is_fully_addressable:
+            # other processes hold part of it: by identity (kept alive by its jaxpr)
+            return ("global array", v.shape, str(v.dtype), str(v.sharding), id(v))
+        a = np.asarray(v)
+    data = a.tobytes()
+    if len(data) > 64:
+        data = hashlib.blake2b(data, digest_size=16).digest()
+    return ("array", a.shape, _dtype_text(a.dtype), data)
 
 
 def _param_token(v: Any, memo: dict[Any, Any]) -> Any:
