@@ -723,3 +723,67 @@ def test_memory_analysis_of_a_program_without_fragments(mesh4x2):
     assert mem.temp_size_in_bytes == 0 and mem.argument_size_in_bytes == 0
     assert mem.peak_memory_in_bytes == 0
     assert mem.per_submesh == {} and mem.submesh is None
+
+
+def test_mm_jit_of_an_mm_jit_function_keeps_its_own_settings():
+    """As jax.jit(jax.jit(f), ...): the outer object's options apply, not the inner's
+    (its attributes are settings, not function attributes to copy)."""
+    mmesh = mm.make_mesh((2, 1), ("stage", "d"), devices=jax.devices()[:2])
+
+    def f(x):
+        with jax.named_scope("layer0"):
+            h = jnp.tanh(x) * 2
+        with jax.named_scope("layer1"):
+            return h + 1
+
+    rules = {r"layer0": 0, r"layer1": 1}
+    x = jnp.arange(3.0)
+    outer = mm.jit(mm.jit(f), mesh=mmesh, task_rules=rules)
+    assert [fr.name for fr in outer.lower(x).plan.fragments] == ["layer0", "layer1"]
+    out = outer(x)
+    assert stage_of(out, mmesh) == 1
+    assert_close(out, reference(f, mmesh, x))
+    # the inner object's rules do not become the outer's (they cannot apply inside
+    # another program: a clear error)
+    plain = mm.jit(mm.jit(f, mesh=mmesh, task_rules=rules), mesh=mmesh)
+    with pytest.raises(ValueError, match="task_rules would not apply there"):
+        plain(x)
+
+
+def test_a_parameter_named_self_passes_by_keyword(mesh4x2):
+    """As jax.jit: every entry point takes the function's own ``self`` by keyword."""
+
+    def f(self, x):
+        with mm.task("a", stage=0):
+            h = self * x
+        with mm.task("b", stage=1):
+            return h + 1
+
+    a = jnp.arange(3.0)
+    fn = mm.jit(f, mesh=mesh4x2)
+    want = reference(f, mesh4x2, self=a, x=a)
+    assert_close(fn(self=a, x=a), want)
+    assert_close(fn.lower(self=a, x=a).compile()(self=a, x=a), want)
+    assert fn.trace(self=a, x=a).lower() is not None
+    assert fn.eval_shape(self=a, x=a).shape == (3,)
+
+
+def test_compiled_checks_python_scalars_against_the_current_x64_mode(mesh4x2):
+    """A program compiled for a Python float as float32, called once x64 is on (the
+    float is now float64): a TypeError naming the argument, as jax.stages.Compiled, not
+    an XLA error from inside a fragment."""
+    x = np.arange(3, dtype=np.float32)
+
+    def f(x, s):
+        with mm.task("a", stage=0):
+            h = x * s
+        with mm.task("b", stage=1):
+            return h + 1
+
+    c = mm.jit(f, mesh=mesh4x2).lower(x, 2.0).compile()
+    assert_close(c(x, 3.0), reference(f, mesh4x2, x, 3.0))
+    with jax.enable_x64(True):
+        msg = r"argument s compiled with float32\[\] and called with float64\[\]"
+        with pytest.raises(TypeError, match=msg):
+            c(x, 2.0)
+    assert_close(c(x, 2.0), reference(f, mesh4x2, x, 2.0))

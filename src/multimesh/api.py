@@ -99,10 +99,14 @@ class MpmdFunction:
                     "mm.MultiMesh(mesh, stage_axis='stage'), or build it with mm.make_mesh."
                 )
             raise TypeError(f"mm.jit(mesh=...) takes a MultiMesh, got {type(mesh).__name__}.")
+        # an mm.jit object's own attributes are its settings, not function attributes to
+        # carry over: mm.jit(mm.jit(f), task_rules=...) keeps the outer ones (as jax.jit)
+        functools.update_wrapper(
+            self, fun, updated=() if isinstance(fun, MpmdFunction) else ("__dict__",)
+        )
         self._task_rules = task_rules
         if task_rules is not None:
             Rules(task_rules)  # validate early
-        functools.update_wrapper(self, fun)
         self.fun = fun
         self._mesh = mesh
         self._signature = Signature(
@@ -447,14 +451,14 @@ class MpmdFunction:
         return call, flat, in_tree, keys, key
 
     @_compat.api_boundary
-    def lower(self, *args: Any, **kwargs: Any) -> Lowered:
+    def lower(self, /, *args: Any, **kwargs: Any) -> Lowered:
         """Trace and plan for these arguments (arrays, or ``jax.ShapeDtypeStruct``s with
         or without shardings); ``.compile()`` compiles the fragments."""
         call, flat, in_tree, _keys, key = self._prepare(args, kwargs)
         return self._lower(call, resolved_structs(flat), in_tree, key)
 
     @_compat.api_boundary
-    def trace(self, *args: Any, **kwargs: Any) -> TracedCall:
+    def trace(self, /, *args: Any, **kwargs: Any) -> TracedCall:
         """Trace for these arguments (as ``jax.jit(f).trace``): the jaxpr and the output
         shapes, before placement; ``.lower()`` plans it."""
         call, flat, in_tree, _keys, key = self._prepare(args, kwargs)
@@ -489,7 +493,7 @@ class MpmdFunction:
         return compiled, flat
 
     @_compat.api_boundary
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if _compat.jit_disabled():  # as jax.jit: plain Python, tasks transparent
             return self._run_eagerly(args, kwargs)
         if _compat.tracing():  # inside jax.jit / scan, even with concrete arguments
@@ -561,7 +565,7 @@ class MpmdFunction:
         return compiled.record_flat(flat)
 
     @_compat.api_boundary
-    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+    def eval_shape(self, /, *args: Any, **kwargs: Any) -> Any:
         """The outputs' shapes and dtypes (tasks are transparent: no compilation), traced
         under this function's MultiMesh as a call is. Static arguments are passed as they
         are, as by ``jax.jit(...).eval_shape``."""

@@ -371,12 +371,25 @@ def placement_text(sh: Any) -> str:
 
 
 def check_call_types(
-    names: list[str], got: Sequence[tuple[Any, ...]], want: Sequence[tuple[Any, ...]]
+    names: list[str],
+    got: Sequence[tuple[Any, ...]],
+    want: Sequence[tuple[Any, ...]],
+    avals: Sequence[Any] | None = None,
 ) -> None:
     """Raise ``TypeError`` (like ``jax.stages.Compiled``) where an argument's shape or
-    dtype differs from what was compiled."""
+    dtype differs from what was compiled (``avals``: the compiled argument types, which
+    a Python scalar is checked against as JAX types it now: ``jax_enable_x64`` may have
+    changed since)."""
     bad = []
-    for name, g, w in zip(names, got, want):
+    for k, (name, g, w) in enumerate(zip(names, got, want)):
+        if len(g) == 1 and avals is not None:
+            now, then = abstract_leaf_key(g), avals[k]
+            if now[:2] != (tuple(then.shape), then.dtype):
+                bad.append(
+                    f"argument {name} compiled with {describe((tuple(then.shape), then.dtype))} "
+                    f"and called with {describe(now)} (a {g[0].__name__})"
+                )
+            continue
         if g[:2] == w[:2] or g == w:
             continue
         if len(g) == 1 or len(w) == 1:  # Python scalars: compare as weak-typed values

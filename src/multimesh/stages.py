@@ -393,7 +393,7 @@ class Compiled(_ArgsInfo):
         )
 
     @_compat.api_boundary
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if _compat.tracing() and not _compat.jit_disabled():
             raise traced_error()
         flat, tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -416,7 +416,7 @@ class Compiled(_ArgsInfo):
         except DeletedArgument:
             bad = next(i for i, x in enumerate(flat) if isinstance(x, jax.Array) and x.is_deleted())
             raise deleted_error(names[bad]) from None
-        check_call_types(names, keys, self._leaf_keys)
+        check_call_types(names, keys, self._leaf_keys, self._arg_avals)
         homes = self._exe.homes
         for i, k in enumerate(keys):
             sh = k[3] if len(k) > 3 else None
