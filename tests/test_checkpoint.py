@@ -270,6 +270,8 @@ def test_manager_refuses_what_it_would_lose(tmp_path):
         with pytest.raises(ValueError, match=r"step 2 is older .* for each of \[3\]"):
             m.save(2, {"w": jnp.zeros(2)})
         assert not m.save(3, {"w": jnp.zeros(2)})  # the same step again: nothing to do
+        with pytest.raises(ValueError, match=r"force=True does not replace it: delete it first"):
+            m.save(3, {"w": jnp.zeros(2)}, force=True)  # was Orbax's StepAlreadyExistsError
         m.delete(3)
         assert m.save(np.int64(3), {"w": jnp.full(2, 30.0)})
         m.wait_until_finished()
@@ -289,3 +291,25 @@ def test_container_mismatch_is_not_called_corruption(tmp_path):
     mm.checkpoint.save(tmp_path / "a", [jnp.ones(2), jnp.zeros(2)])
     with pytest.raises(ValueError, match="containers of other kinds"):
         mm.checkpoint.restore(tmp_path / "a", {"0": jnp.ones(2), "1": jnp.zeros(2)})
+
+
+def test_the_newest_complete_step_while_the_save_that_prunes_it_runs(tmp_path):
+    """With max_to_keep=1, Orbax forgets step 1 as soon as the save of step 2 starts;
+    until that save completes, step 1 is still the newest complete step on disk (as a new
+    manager of the directory finds)."""
+    d = tmp_path / "ck"
+    with mm.checkpoint.CheckpointManager(d, max_to_keep=1) as m:
+        m.save(1, {"w": jnp.full(4, 1.0)})
+        m.wait_until_finished()
+        m.save(2, {"w": jnp.full(4, 2.0)})
+        seen = m.latest_step(), m.all_steps()
+        # still in flight after that look: it was in flight during it too
+        in_flight = (d / "1").is_dir() and not (d / "2").is_dir()
+        m.wait_until_finished()
+        assert m.latest_step() == 2 and m.all_steps() == [2]
+        got = m.restore(target={"w": jnp.zeros(4)})
+    np.testing.assert_array_equal(got["w"], np.full(4, 2.0))
+    if in_flight:  # (a fast save may have finished already: nothing to check then)
+        assert seen == (1, [1]), seen
+    else:
+        assert seen[0] in (1, 2), seen

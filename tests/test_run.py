@@ -92,6 +92,7 @@ def test_every_layout_and_schedule(layout, schedule, tmp_path):
             ["--pp", "4", "--dp", "2", "--interleave", "2", "--schedule", "1f1b"],
             "--interleave 2 needs --schedule interleaved-1f1b",
         ),
+        (["--pp", "1", "--dp", "8", "--interleave", "2"], "--interleave 2 needs --pp 2 or more"),
         (
             ["--pp", "4", "--dp", "2", "--microbatch-size", "3"],
             "not divisible by --microbatch-size 3",

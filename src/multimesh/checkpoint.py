@@ -569,7 +569,9 @@ class CheckpointManager:
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         """Start saving ``state`` as ``step`` (returns at once when asynchronous; the
         arrays are copied first, so training may go on and donate them). Returns
-        whether a save happened (``save_interval_steps``)."""
+        whether a save happened: not for steps ``save_interval_steps`` skips, nor for a
+        step already saved (a final save after the loop's last one; its old values stay:
+        ``delete(step)`` first to replace them)."""
         step = _step_number(step)
         _check_has_leaves(state, "CheckpointManager.save")
         latest = self._m.latest_step()
@@ -580,6 +582,11 @@ class CheckpointManager:
                 f"go on from an earlier step, delete the later ones first "
                 f"(manager.delete(step) for each of {[s for s in self.all_steps() if s > step]}) "
                 "or save to another directory."
+            )
+        if force and (step == latest or step in self.all_steps()):
+            raise ValueError(  # Orbax's own error does not say what to do
+                f"step {step} already has a checkpoint in {self.directory}; force=True does "
+                f"not replace it: delete it first (manager.delete({step}))."
             )
         accept_mpmd_arrays()
         if jax.process_count() > 1:
@@ -610,8 +617,11 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def all_steps(self) -> Sequence[int]:
-        """The complete steps, oldest first."""
-        return sorted(int(s) for s in self._m.all_steps() if (self.directory / str(s)).is_dir())
+        """The complete steps, oldest first: those on disk too (Orbax forgets a step it
+        will prune as soon as the save that replaces it starts, while that step is still
+        the newest complete one)."""
+        known = {int(s) for s in self._m.all_steps() if (self.directory / str(s)).is_dir()}
+        return sorted(known | set(saved_steps(self.directory)))
 
     def restore(self, step: int | None = None, *, target: Any) -> Any:
         """Read ``step`` (default: the latest complete one) into ``target``'s layout."""

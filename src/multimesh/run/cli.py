@@ -239,6 +239,12 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
             f"--pp {ns.pp} x --tp {ns.tp} x --dp {ns.dp} x --fsdp {ns.fsdp} = {total}, but "
             f"there are {num_devices} devices (--cpus / the launcher / the GPUs){hint}"
         )
+    if ns.interleave > 1 and ns.pp < 2:
+        p.error(
+            f"--interleave {ns.interleave} needs --pp 2 or more: interleaving spreads a "
+            "submesh's virtual stages between other submeshes' (with one pipeline stage, "
+            "leave out --interleave)"
+        )
     stages = ns.pp * ns.interleave
     ns.num_layers_given = ns.num_layers is not None
     if ns.num_layers is None:
