@@ -942,3 +942,22 @@ def test_interleaved_tasks_numbered_by_submesh_is_a_clear_error():
     g = mm.microbatch(jax.value_and_grad(loss), 2, argnums=(1, 2), schedule="interleaved-1f1b")
     with pytest.raises(ValueError, match=r"goes back to a stage.*numbers its tasks by virtual"):
         mm.jit(g, mesh=stage_mesh(2)).lower(weights(4), x, y)
+
+
+def test_interleaved_mesh_tasks_are_named_in_the_error():
+    """mesh= tasks in an interleaved loop (mesh=submesh(i % S)) cannot name a virtual
+    stage: the cycle error names them and says to use stage= (found by a probe)."""
+    mmesh = stage_mesh(2)
+
+    def loss(ws, x, y):
+        h = x
+        for i, w in enumerate(ws):
+            ctx = mm.task(f"s{i}", mesh=mmesh.submesh(i % 2)) if i % 2 else mm.task(f"s{i}", stage=i)
+            with ctx:
+                h = h + jnp.tanh(h @ w)
+        return jnp.mean((h - y) ** 2)
+
+    x, y = data(8)
+    g = mm.microbatch(jax.value_and_grad(loss), 2, argnums=(1, 2), schedule="interleaved-1f1b")
+    with pytest.raises(ValueError, match=r"Tasks \['s1', 's3'\] are mesh= tasks.*stage= numbers"):
+        mm.jit(g, mesh=mmesh).lower(weights(4), x, y)

@@ -742,11 +742,14 @@ def _build_schedules(groups, loops, labels):
             order = _pipeline_order(groups, mine, virt_of, used)
         except _Revisit as e:
             names: dict[int, set[str]] = {}
+            by_mesh: set[str] = set()  # mesh= tasks: no virtual stage of their own
             for gid in mine:
                 if gid in virt_of and groups[gid].phase == "F":
                     for i in groups[gid].eqns:
                         if labels.tasks[i] is not None:
                             names.setdefault(virt_of[gid], set()).add(labels.tasks[i].name)
+                            if labels.tasks[i].mesh is not None and virt_of[gid] in e.stages:
+                                by_mesh.add(labels.tasks[i].name)
             which = "; ".join(f"stage {v}: {sorted(names.get(v, ()))}" for v in e.stages)
             raise ValueError(
                 f"the microbatch loop's forward pass goes back to a stage it has left (task "
@@ -759,6 +762,13 @@ def _build_schedules(groups, loops, labels):
                     f"stage: 0, 1, ..., 2S-1 in pipeline order, stage v on submesh v % S "
                     f"(S={S} here), not by submesh (0, 1, 0, 1)."
                     if "interleaved" in str(getattr(sched, "name", ""))
+                    else ""
+                )
+                + (
+                    f" Tasks {sorted(by_mesh)} are mesh= tasks, which name a submesh, not a "
+                    "virtual stage: each counts as its submesh's stage. Give an interleaved "
+                    "pipeline's tasks stage= numbers."
+                    if by_mesh and "interleaved" in str(getattr(sched, "name", ""))
                     else ""
                 )
             ) from None
