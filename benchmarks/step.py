@@ -13,7 +13,10 @@ one run with interleaved repeats (medians):
   ratios (lower is better);
 * ``overhead_per_fragment_us``: (mm step - baseline step) / fragments, for both baselines;
 * ``first_call_s`` (trace + plan + compile + one run) and ``first_call_vs_scan``;
-* ``interleaved_vs_1f1b``: interleaved 1F1B's step against 1F1B's.
+* ``interleaved_vs_1f1b``: interleaved 1F1B's step against 1F1B's, raw and as the ratio
+  of their ``mm_vs_scan`` (each against the ``jax.jit`` step timed in its own repeats,
+  the same program for every schedule: the machine's speed drifts between configs; the
+  target uses this one).
 
 ``targets`` records issue 14's goals next to the measured values (``met``: true/false).
 Every mm.jit run is checked bit-identical to ``jax.jit`` (scan) on the first step.
@@ -178,7 +181,13 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         add(f"1f1b first call vs jax.jit, width {w}", r["first_call_vs_scan"], 1.5)
         il = by.get((w, "interleaved-1f1b"))
         if il is not None:
-            add(f"interleaved vs 1f1b step, width {w}", round(il["mm_step_us"] / r["mm_step_us"], 3), 1.2)
+            # each schedule against the jax.jit step timed in its own repeats (the same
+            # program for every schedule): this machine's speed drifts between configs
+            add(
+                f"interleaved vs 1f1b step (each vs its jax.jit scan), width {w}",
+                round(il["mm_vs_scan"] / r["mm_vs_scan"], 3),
+                1.2,
+            )
     return out
 
 
@@ -227,6 +236,17 @@ def main() -> None:
                 flush=True,
             )
     out["configs"] = rows
+    by = {(r["width"], r["schedule"]): r for r in rows}
+    out["interleaved_vs_1f1b"] = {
+        str(w): {
+            "raw": round(by[w, "interleaved-1f1b"]["mm_step_us"] / by[w, "1f1b"]["mm_step_us"], 3),
+            "vs_own_scan": round(
+                by[w, "interleaved-1f1b"]["mm_vs_scan"] / by[w, "1f1b"]["mm_vs_scan"], 3
+            ),
+        }
+        for w in args.widths
+        if (w, "1f1b") in by and (w, "interleaved-1f1b") in by
+    }
     out["targets"] = targets(rows)
     out["loadavg_end"] = list(os.getloadavg())
     out["wall_s"] = round(time.perf_counter() - t0, 1)
