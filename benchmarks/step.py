@@ -239,8 +239,8 @@ def main() -> None:
     by = {(r["width"], r["schedule"]): r for r in rows}
     out["interleaved_vs_1f1b"] = {
         str(w): {
-            "raw": round(by[w, "interleaved-1f1b"]["mm_step_us"] / by[w, "1f1b"]["mm_step_us"], 3),
-            "vs_own_scan": round(
+            "raw_ratio": round(by[w, "interleaved-1f1b"]["mm_step_us"] / by[w, "1f1b"]["mm_step_us"], 3),
+            "own_scan_ratio": round(
                 by[w, "interleaved-1f1b"]["mm_vs_scan"] / by[w, "1f1b"]["mm_vs_scan"], 3
             ),
         }

@@ -54,3 +54,5 @@ def test_step_benchmark_runs_bit_identical_and_reports_every_target(tmp_path):
     # the regression check finds the step ratios in it
     keys = [p for p, _v, _low in check.ratios(res)]
     assert any(k.endswith("mm_vs_scan") for k in keys) and any(k.endswith("return_ratio") for k in keys)
+    assert set(res["interleaved_vs_1f1b"]["256"]) == {"raw_ratio", "own_scan_ratio"}
+    assert any(k.startswith("interleaved_vs_1f1b/256") for k in keys)
