@@ -313,3 +313,17 @@ def test_the_newest_complete_step_while_the_save_that_prunes_it_runs(tmp_path):
         assert seen == (1, [1]), seen
     else:
         assert seen[0] in (1, 2), seen
+
+
+@pytest.mark.parametrize("part", ["d", "manifest.ocdbt"])
+def test_a_missing_index_part_is_named(tmp_path, part):
+    """A checkpoint whose data folder or manifest was deleted: restore() names what is
+    missing (it said only "lists no arrays"; found by a probe)."""
+    import shutil
+
+    path = tmp_path / "ck"
+    mm.checkpoint.save(path, {"a": jnp.ones(4)})
+    gone = path / part
+    shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
+    with pytest.raises(ValueError, match=rf"lists no arrays \({part} missing or empty in "):
+        mm.checkpoint.restore(path, {"a": jnp.zeros(4)})

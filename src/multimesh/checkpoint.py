@@ -310,13 +310,36 @@ def _listed(keys: list[str], limit: int = 12) -> str:
     return f"{keys[:limit]} and {len(keys) - limit} more"
 
 
-def check_compatible(meta: Any, target: Any, where: str) -> None:
+#: the parts of an Orbax (OCDBT) checkpoint without which it lists no arrays
+_INDEX_PARTS = ("_METADATA", "manifest.ocdbt", "d")
+
+
+def _damage(root: Path | None) -> str:
+    """What of a checkpoint's index is missing or empty under ``root`` (for errors)."""
+    if root is None or not root.is_dir():
+        return ""
+    gone = [
+        n
+        for n in _INDEX_PARTS
+        if not (root / n).exists()
+        or ((root / n).is_dir() and not any((root / n).iterdir()))
+        or ((root / n).is_file() and (root / n).stat().st_size == 0)
+    ]
+    if not gone:
+        return " (its index files are present: one may be cut short or damaged)"
+    return f" ({', '.join(gone)} missing or empty in {root})"
+
+
+def check_compatible(meta: Any, target: Any, where: str, root: Path | None = None) -> None:
     """Raise ``ValueError`` naming every key that differs between a checkpoint's
-    metadata and the target (missing, extra, shape, dtype)."""
+    metadata and the target (missing, extra, shape, dtype). ``root``: the checkpoint's
+    folder, to say what is damaged when it lists nothing."""
     saved = _keyed(_meta_tree(meta))
     want = _keyed(_abstract(_without_empty(target)))  # zero-size leaves are not stored
     if want and not saved:
-        raise ValueError(f"checkpoint {where} is unreadable or corrupt: it lists no arrays")
+        raise ValueError(
+            f"checkpoint {where} is unreadable or corrupt: it lists no arrays{_damage(root)}"
+        )
     missing = sorted(set(want) - set(saved))
     extra = sorted(set(saved) - set(want))
     wrong = []
@@ -479,7 +502,7 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
             meta = ck.metadata(path)
         except Exception as e:  # noqa: BLE001 - Orbax raises many kinds
             raise ValueError(f"checkpoint {path} is unreadable or corrupt: {e}") from e
-        check_compatible(meta, target, str(path))
+        check_compatible(meta, target, str(path), path)
         try:
             return _restore(lambda args: ck.restore(path, args=args), target)
         except Exception as e:  # noqa: BLE001
@@ -640,7 +663,7 @@ class CheckpointManager:
             meta = self._m.item_metadata(step)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"checkpoint {where} is unreadable or corrupt: {e}") from e
-        check_compatible(meta, target, where)
+        check_compatible(meta, target, where, self.directory / str(step) / "default")
         try:
             return _restore(lambda args: self._m.restore(step, args=args), target)
         except Exception as e:  # noqa: BLE001
