@@ -108,6 +108,34 @@ def test_linen_instance_wrapper(mesh4x2):
     assert_close(got, reference(head.apply, mesh4x2, params, x))
 
 
+@pytest.mark.parametrize("named", [False, True])
+def test_linen_instance_made_in_a_compact_method(mesh4x2, named):
+    """mm.flax.task of a Linen instance made inside @nn.compact (where it already holds
+    its name, auto or given): it was Flax's NameInUseError even under plain init (found
+    by a probe). Values and gradients as jax.jit; each part runs on its stage."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            d = nn.Dense(8, name="embed") if named else nn.Dense(8)
+            h = jnp.tanh(mm.flax.task(d, stage=0)(x))
+            return mm.flax.task(nn.Dense(2), stage=1)(h).sum()
+
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    params = Net().init(jax.random.key(0), x)
+    first, second = ("embed", "Dense_0") if named else ("Dense_0", "Dense_1")
+    assert set(params["params"]) == {first, second}
+
+    def step(p, x):
+        return jax.value_and_grad(lambda p: Net().apply(p, x))(p)
+
+    fn = mm.jit(step, mesh=mesh4x2)
+    got = fn(params, x)
+    assert_close(got, reference(step, mesh4x2, params, x))
+    assert stage_of(got[1]["params"][first]["kernel"], mesh4x2) == 0
+    assert stage_of(got[1]["params"][second]["kernel"], mesh4x2) == 1
+
+
 def test_init_helper_with_stage_tree(mesh4x2):
     opt = optax.adam(1e-3)
 

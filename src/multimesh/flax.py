@@ -98,7 +98,9 @@ def task(
     - an NNX module instance: returned (same object, same parameter paths) with its
       ``__call__`` inside ``mm.task``;
     - a Linen module class: a subclass (same name, so the same parameter paths);
-    - a Linen module instance: an equal instance of that subclass.
+    - a Linen module instance: an equal instance of that subclass (one made inside a
+      ``@nn.compact`` method, which already holds its name there, is made an instance of
+      it in place).
     """
     if (stage is None) == (mesh is None):
         raise ValueError(
@@ -124,6 +126,11 @@ def task(
         return _linen_class(module, stage, mesh, name, _rules_key(logical_axis_rules))
     if isinstance(module, nn.Module):
         sub = _linen_class(type(module), stage, mesh, name, _rules_key(logical_axis_rules))
+        if isinstance(module.parent, nn.Module) and module.name is not None:
+            # made inside a compact method: it holds its name in the parent, which a copy
+            # could not take (Flax's NameInUseError); it becomes the subclass in place
+            object.__setattr__(module, "__class__", sub)
+            return module
         fields = {
             f.name: getattr(module, f.name)
             for f in dataclasses.fields(module)
