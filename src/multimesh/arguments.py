@@ -374,7 +374,7 @@ def check_call_types(
     names: list[str],
     got: Sequence[tuple[Any, ...]],
     want: Sequence[tuple[Any, ...]],
-    avals: Sequence[Any] | None = None,
+    avals: Sequence[Any],
 ) -> None:
     """Raise ``TypeError`` (like ``jax.stages.Compiled``) where an argument's shape or
     dtype differs from what was compiled (``avals``: the compiled argument types, which
@@ -382,7 +382,7 @@ def check_call_types(
     changed since)."""
     bad = []
     for k, (name, g, w) in enumerate(zip(names, got, want)):
-        if len(g) == 1 and avals is not None:
+        if len(g) == 1:
             now, then = abstract_leaf_key(g), avals[k]
             if now[:2] != (tuple(then.shape), then.dtype):
                 bad.append(

@@ -751,6 +751,7 @@ def _build_schedules(groups, loops, labels):
                             if labels.tasks[i].mesh is not None and virt_of[gid] in e.stages:
                                 by_mesh.add(labels.tasks[i].name)
             which = "; ".join(f"stage {v}: {sorted(names.get(v, ()))}" for v in e.stages)
+            interleaved = "interleaved" in str(getattr(sched, "name", ""))
             raise ValueError(
                 f"the microbatch loop's forward pass goes back to a stage it has left (task "
                 f"stages {e.stages} feed each other in a cycle; tasks by stage: {which}). A "
@@ -761,14 +762,14 @@ def _build_schedules(groups, loops, labels):
                     f" An interleaved schedule ({sched.name!r}) numbers its tasks by virtual "
                     f"stage: 0, 1, ..., 2S-1 in pipeline order, stage v on submesh v % S "
                     f"(S={S} here), not by submesh (0, 1, 0, 1)."
-                    if "interleaved" in str(getattr(sched, "name", ""))
+                    if interleaved
                     else ""
                 )
                 + (
                     f" Tasks {sorted(by_mesh)} are mesh= tasks, which name a submesh, not a "
                     "virtual stage: each counts as its submesh's stage. Give an interleaved "
                     "pipeline's tasks stage= numbers."
-                    if by_mesh and "interleaved" in str(getattr(sched, "name", ""))
+                    if by_mesh and interleaved
                     else ""
                 )
             ) from None
