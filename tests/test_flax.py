@@ -685,3 +685,58 @@ def test_sow_in_a_microbatched_fun():
     for f in (kept, nnx.jit(kept), mm.jit(kept, mesh=mesh)):
         with mesh, pytest.raises(ValueError, match=r"sow.*nnx\.pop"):
             f(Sowing(nnx.Rngs(0)), x)
+
+
+class _TiedHead(nnx.Module):
+    def __init__(self, emb):
+        self.emb = emb
+
+    def __call__(self, h):
+        return self.emb.attend(h)
+
+
+class _Tied(nnx.Module):
+    """A tied embedding: the head holds the embedding's own module, on another stage."""
+
+    def __init__(self, rngs):
+        self.emb = nnx.Embed(16, 8, rngs=rngs)
+        self.mid = mm.flax.task(nnx.Linear(8, 8, rngs=rngs), stage=0)
+        self.head = mm.flax.task(_TiedHead(self.emb), stage=1)
+
+    def __call__(self, t):
+        with mm.task("embed", stage=0):
+            h = self.emb(t)
+        return self.head(jnp.tanh(self.mid(h)))
+
+
+def test_a_module_two_paths_reach_is_one_module_in_a_microbatch_loop(mesh4x2):
+    """``mm.microbatch(nnx.value_and_grad(loss), M)`` of a model whose head shares the
+    embedding's module returns one gradient for it, as ``nnx.value_and_grad`` does, and
+    ``nnx.Optimizer.update`` takes it (the loop carried the module as a pytree: two
+    copies, the gradient split between them, and the optimizer's structure error)."""
+    t = jax.random.randint(jax.random.key(1), (8, 4), 0, 16)
+    y = jax.random.randint(jax.random.key(2), (8, 4), 0, 16)
+
+    def loss(m, t, y):
+        return optax.softmax_cross_entropy_with_integer_labels(m(t), y).mean()
+
+    mb = mm.microbatch(nnx.value_and_grad(loss), 4, argnums=(1, 2), reduce="mean")
+    model = _Tied(nnx.Rngs(0))
+    want = nnx.value_and_grad(loss)(model, t, y)
+    got = mb(model, t, y)  # eager
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert_close(got, want, rtol=1e-5, atol=1e-7)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    opt.update(model, got[1])
+
+    gd, st = nnx.split(_Tied(nnx.Rngs(0)))
+
+    def step(st, t, y):
+        m = nnx.merge(gd, st)
+        return mb(m, t, y)
+
+    ref = nnx.value_and_grad(loss)(nnx.merge(gd, st), t, y)
+    got = mm.jit(step, mesh=mesh4x2)(st, t, y)
+    assert jax.tree.structure(got) == jax.tree.structure(ref)
+    assert_close(got, jax.jit(step)(st, t, y), rtol=1e-6, atol=1e-7)
+    assert_close(got, ref, rtol=1e-5, atol=1e-7)

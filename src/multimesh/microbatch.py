@@ -205,7 +205,7 @@ def microbatch(
             """``fun`` on microbatch arguments ``k_args`` and carried values ``vals``:
             ``((out, aux), the carried values' leaves after fun)``."""
             state_before = [jax.tree_util.tree_leaves(v) for v in vals]
-            plain = tuple(v.tree if isinstance(v, _Mixed) else v for v in vals)
+            plain = tuple(_plain(v) for v in vals)
             k_args = _with_batch(k_args, carried_pos, plain[: len(carried_pos)])
             kw = {**kwargs, **dict(zip(carried_kw, plain[len(carried_pos) :]))}
             before = [jax.tree_util.tree_leaves(v) for _w, v in closed]
@@ -475,7 +475,7 @@ def _update_module(old: Any, new: Any) -> None:
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return
-    old, new = (v.tree if isinstance(v, _Mixed) else v for v in (old, new))
+    old, new = _plain(old), _plain(new)
     is_node = nnx.graph.is_graph_node
     olds = jax.tree_util.tree_leaves(old, is_leaf=is_node)
     news = jax.tree_util.tree_leaves(new, is_leaf=is_node)
@@ -528,32 +528,79 @@ def _numeric(x: Any) -> bool:
 
 
 def _wrap(tree: Any) -> Any:
-    """A carried argument: itself, or a :class:`_Mixed` if some leaves are not numbers."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    static = tuple(j for j, x in enumerate(leaves) if not _numeric(x) and not _compat.is_tracer(x))
-    return _Mixed(tree, static) if static else tree
+    """A carried argument: itself, or a :class:`_Graph` if it holds Flax NNX modules."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return tree
+    nodes = jax.tree_util.tree_leaves(tree, is_leaf=nnx.graph.is_graph_node)
+    return _Graph(tree) if any(nnx.graph.is_graph_node(n) for n in nodes) else tree
+
+
+def _plain(v: Any) -> Any:
+    return v.tree if isinstance(v, _Graph) else v
+
+
+_UNMADE = object()
 
 
 @jax.tree_util.register_pytree_node_class
-class _Mixed:
-    """A carried argument whose non-number leaves (``{"m": model, "mode": "train"}``)
-    stay static: its children are the current number leaves of ``tree``."""
+class _Graph:
+    """A carried argument holding Flax NNX modules (alone or in a tuple, list or dict),
+    flattened as ``nnx.split`` flattens them: a module two paths reach (a shared
+    submodule, a tied embedding) is one module with one set of leaves, as under
+    ``nnx.value_and_grad``, where a pytree's flattening would make two copies (and split
+    their gradient between them). Non-number leaves (``{"m": model, "mode": "train"}``)
+    stay static. The modules are made again (``nnx.merge``) only when ``tree`` is read."""
 
-    def __init__(self, tree: Any, static: tuple[int, ...]):
-        self.tree, self.static = tree, static
+    def __init__(self, tree: Any):
+        self._tree = tree
+        self._flat: tuple[list[Any], Any] | None = None
+        leaves, _ = self._split()
+        self.static = tuple(
+            j for j, x in enumerate(leaves) if not _numeric(x) and not _compat.is_tracer(x)
+        )
+
+    def _split(self) -> tuple[list[Any], Any]:
+        """The current leaves (the modules' state, then the other leaves) and structure."""
+        nnx = sys.modules["flax.nnx"]
+        is_node = nnx.graph.is_graph_node
+        parts, outer = jax.tree_util.tree_flatten(self._tree, is_leaf=is_node)
+        at = tuple(j for j, p in enumerate(parts) if is_node(p))
+        graphdef, state = nnx.split([parts[j] for j in at])
+        leaves, inner = jax.tree_util.tree_flatten(state)
+        rest = [p for j, p in enumerate(parts) if j not in at]
+        return leaves + rest, (outer, at, graphdef, inner)
+
+    @property
+    def tree(self) -> Any:
+        if self._tree is _UNMADE:
+            nnx = sys.modules["flax.nnx"]
+            leaves, (outer, at, graphdef, inner) = self._flat
+            n = inner.num_leaves
+            nodes = iter(nnx.merge(graphdef, jax.tree_util.tree_unflatten(inner, leaves[:n])))
+            rest = iter(leaves[n:])
+            parts = [next(nodes) if j in at else next(rest) for j in range(outer.num_leaves)]
+            self._tree = jax.tree_util.tree_unflatten(outer, parts)
+            self._flat = None
+        return self._tree
 
     def tree_flatten(self) -> tuple[list[Any], Any]:
-        leaves, treedef = jax.tree_util.tree_flatten(self.tree)
+        # once read, the modules may have been changed in place: split them again
+        leaves, structure = self._flat if self._tree is _UNMADE else self._split()
         fixed = tuple((j, leaves[j]) for j in self.static)
-        return [x for j, x in enumerate(leaves) if j not in self.static], (treedef, fixed)
+        return [x for j, x in enumerate(leaves) if j not in self.static], (structure, fixed)
 
     @classmethod
-    def tree_unflatten(cls, aux: Any, children: Any) -> _Mixed:
-        treedef, fixed = aux
+    def tree_unflatten(cls, aux: Any, children: Any) -> _Graph:
+        structure, fixed = aux
         it = iter(children)
         at = dict(fixed)
-        leaves = [at[j] if j in at else next(it) for j in range(treedef.num_leaves)]
-        return cls(jax.tree_util.tree_unflatten(treedef, leaves), tuple(at))
+        n = len(children) + len(at)
+        out = cls.__new__(cls)
+        out._tree = _UNMADE
+        out._flat = ([at[j] if j in at else next(it) for j in range(n)], structure)
+        out.static = tuple(at)
+        return out
 
 
 def _scan_reference(call, vals, M, reduce):
