@@ -740,3 +740,74 @@ def test_a_module_two_paths_reach_is_one_module_in_a_microbatch_loop(mesh4x2):
     assert jax.tree.structure(got) == jax.tree.structure(ref)
     assert_close(got, jax.jit(step)(st, t, y), rtol=1e-6, atol=1e-7)
     assert_close(got, ref, rtol=1e-5, atol=1e-7)
+
+
+def test_nnx_create_shards_each_variable_by_its_tasks_own_rules(mesh222):
+    """``mm.flax.create`` shards an annotated NNX variable by the logical rules of the
+    task that owns it (``mm.flax.task(..., logical_axis_rules=)``), as ``mm.flax.init``
+    does for Linen (the constructor resolved every variable by the rules active then:
+    the ambient layout on every stage, or JAX's "Resource axis not found" with none)."""
+    r0 = (("embed", None), ("mlp", "model"))
+    r1 = (("embed", "model"), ("mlp", None))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs, own_rules=True):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+            rules = (r0, r1) if own_rules else (None, None)
+            self.a = mm.flax.task(
+                nnx.Linear(8, 8, kernel_init=init, rngs=rngs), stage=0, logical_axis_rules=rules[0]
+            )
+            self.b = mm.flax.task(
+                nnx.Linear(8, 8, kernel_init=init, rngs=rngs), stage=1, logical_axis_rules=rules[1]
+            )
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.b(self.a(x)))
+
+    key = jax.random.key(0)
+    with nn.logical_axis_rules(r0), mesh222:
+        plain = Net(nnx.Rngs(key), own_rules=False)  # Flax's eager sharding, ambient rules
+        made = Net(nnx.Rngs(key))
+    net = mm.flax.create(lambda k: Net(nnx.Rngs(k)), key, mesh=mesh222)
+    assert_close(nnx.state(net), nnx.state(plain))
+    assert nnx.graphdef(net) == nnx.graphdef(made)  # the variables' metadata too
+    for name, stage, spec in (("a", 0, jax.P(None, "model")), ("b", 1, jax.P("model"))):
+        kernel = getattr(net, name).kernel.get_value()
+        assert stage_of(kernel, mesh222) == stage
+        assert kernel.sharding.spec == spec, (name, kernel.sharding.spec)
+        assert getattr(net, name).kernel.get_metadata("eager_sharding")
+    with nn.logical_axis_rules(r0):  # no task rules: the ambient ones, as Flax made them
+        same = mm.flax.create(lambda k: Net(nnx.Rngs(k), own_rules=False), key, mesh=mesh222)
+    assert same.b.kernel.get_value().sharding.spec == jax.P(None, "model")
+    assert_close(nnx.state(same), nnx.state(plain))
+
+
+def test_nnx_create_by_layer_shards_each_layer_by_its_tasks_rules():
+    """Stacked (``nnx.vmap``) layers placed ``by_layer`` with their task's own rules: each
+    layer made on its stage, sharded by those rules within it."""
+    mesh = mm.make_mesh((4, 2), ("stage", "model"))
+    rules = (("embed", None), ("mlp", "model"), ("layers", None))
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+            self.lin = nnx.Linear(8, 8, kernel_init=init, rngs=rngs)
+
+    class Net(nnx.Module):
+        def __init__(self, rngs, rules):
+            @nnx.split_rngs(splits=4)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make(rngs):
+                return Block(rngs)
+
+            self.blocks = mm.flax.task(
+                make(rngs), stage=mm.by_layer(), name="layers", logical_axis_rules=rules
+            )
+
+    model = mm.flax.create(lambda k: Net(nnx.Rngs(k), rules), jax.random.key(0), mesh=mesh)
+    with mesh, nn.logical_axis_rules(rules):
+        eager = Net(nnx.Rngs(jax.random.key(0)), None)
+    kernel = model.blocks.lin.kernel.get_value()
+    assert kernel.sharding.spec == jax.P("stage", None, "model")
+    assert_close(kernel, eager.blocks.lin.kernel.get_value())

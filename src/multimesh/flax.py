@@ -262,7 +262,9 @@ def _is_num(x: Any) -> bool:
     return hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
 
 
-def _by_layer(owner: Any, path: tuple, value: jax.Array) -> jax.Array:
+def _by_layer(
+    owner: Any, path: tuple, value: jax.Array, shard: Callable[..., Any]
+) -> jax.Array:
     """A stacked variable of a ``by_layer`` task, made layer by layer on their stages
     (a scan over the leading axis, as the model's own scan runs it)."""
     if jax.numpy.ndim(value) == 0:
@@ -272,10 +274,39 @@ def _by_layer(owner: Any, path: tuple, value: jax.Array) -> jax.Array:
         )
 
     def body(carry: None, row: jax.Array) -> tuple[None, jax.Array]:
-        with _task(owner.mm_task_name, stage=owner.mm_stage):
-            return carry, row + 0
+        with _task(
+            owner.mm_task_name,
+            stage=owner.mm_stage,
+            logical_axis_rules=getattr(owner, "mm_rules", None),
+        ):
+            return carry, shard(row + 0, layer_axis=True)
 
     return jax.lax.scan(body, None, value)[1]
+
+
+def _deferred_sharding(var: Any, eager: bool) -> Callable[..., Any]:
+    """The sharding constraint Flax would have put on ``var`` as it was made (by its
+    ``out_sharding`` names through the logical rules active where it is called: its
+    task's own), for :func:`create`, which makes variables with eager sharding off."""
+    from flax import nnx
+
+    if not eager or var.get_metadata("eager_sharding", True):
+        return lambda y, layer_axis=False: y
+    if not var.get_metadata("out_sharding", None):
+        return lambda y, layer_axis=False: y
+
+    def shard(y: jax.Array, layer_axis: bool = False) -> jax.Array:
+        spec = nnx.get_partition_spec(var).get_value()  # resolved by the active rules
+        if spec is None:
+            return y
+        if layer_axis:  # one row of a stacked variable: its spec without the layer axis
+            spec = jax.sharding.PartitionSpec(*tuple(spec)[1:])
+        m = var.get_metadata("mesh", None)
+        return jax.lax.with_sharding_constraint(
+            y, jax.sharding.NamedSharding(m, spec) if m is not None else spec
+        )
+
+    return shard
 
 
 def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
@@ -289,9 +320,14 @@ def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
     from multimesh.api import jit
 
     box: dict[str, Any] = {}
+    eager = nnx.using_eager_sharding()
 
     def build(*a: Any) -> Any:
-        model = ctor(*a)
+        # Flax shards an annotated variable as it is made, by the rules active then; the
+        # rules of the task that owns it (mm.flax.task(..., logical_axis_rules=)) are known
+        # only once the model is built, so its sharding waits until it is placed
+        with nnx.use_eager_sharding(False):
+            model = ctor(*a)
         owners: list[tuple[tuple, Any]] = []
         for path, node in nnx.iter_graph(model):
             if isinstance(node, nnx.Module) and getattr(node, "mm_stage", None) is not None:
@@ -303,17 +339,29 @@ def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
             if not isinstance(node, nnx.Variable) or not _is_num(node.get_value()):
                 continue
             path = tuple(path)
+            shard = _deferred_sharding(node, eager)
             for opath, owner in owners:
                 if path[: len(opath)] == opath:
                     stage = owner.mm_stage
                     if isinstance(stage, ByLayer):  # stacked layers: each on its own stage
-                        node.set_value(_by_layer(owner, path, node.get_value()))
+                        node.set_value(_by_layer(owner, path, node.get_value(), shard))
                         break
                     if stage is not None:  # virtual (interleaved) stage -> its submesh
                         stage = stage % mesh.num_stages
-                    place = _task(owner.mm_task_name, stage=stage, mesh=owner.mm_mesh)
-                    node.set_value(place(lambda y: y + 0)(node.get_value()))
+                    place = _task(
+                        owner.mm_task_name,
+                        stage=stage,
+                        mesh=owner.mm_mesh,
+                        logical_axis_rules=getattr(owner, "mm_rules", None),
+                    )
+                    node.set_value(place(lambda y, shard=shard: shard(y + 0))(node.get_value()))
                     break
+            else:
+                node.set_value(shard(node.get_value()))
+        if eager:  # the variables' metadata as made outside create
+            for _path, node in nnx.iter_graph(model):
+                if isinstance(node, nnx.Variable) and not node.get_metadata("eager_sharding"):
+                    node.set_metadata("eager_sharding", True)
         graphdef, state = nnx.split(model)
         box["graphdef"] = graphdef
         return state
