@@ -768,19 +768,34 @@ def test_nnx_create_shards_each_variable_by_its_tasks_own_rules(mesh222):
     key = jax.random.key(0)
     with nn.logical_axis_rules(r0), mesh222:
         plain = Net(nnx.Rngs(key), own_rules=False)  # Flax's eager sharding, ambient rules
-        made = Net(nnx.Rngs(key))
     net = mm.flax.create(lambda k: Net(nnx.Rngs(k)), key, mesh=mesh222)
-    assert_close(nnx.state(net), nnx.state(plain))
-    assert nnx.graphdef(net) == nnx.graphdef(made)  # the variables' metadata too
+    assert_close(jax.tree.leaves(nnx.state(net)), jax.tree.leaves(nnx.state(plain)))
+    # state made from the parameters (an optimizer's) stays where each one is: their
+    # metadata no longer asks Flax to shard it again on the global mesh (it could not)
+    opt = nnx.Optimizer(net, optax.adam(1e-2), wrt=nnx.Param)
     for name, stage, spec in (("a", 0, jax.P(None, "model")), ("b", 1, jax.P("model"))):
-        kernel = getattr(net, name).kernel.get_value()
-        assert stage_of(kernel, mesh222) == stage
-        assert kernel.sharding.spec == spec, (name, kernel.sharding.spec)
-        assert getattr(net, name).kernel.get_metadata("eager_sharding")
+        kernel = getattr(net, name).kernel
+        assert stage_of(kernel.get_value(), mesh222) == stage
+        assert kernel.get_value().sharding.spec == spec, (name, kernel.get_value().sharding)
+        assert kernel.get_metadata("eager_sharding") is False
+        assert getattr(net, name).bias.get_metadata("eager_sharding")  # as made by Flax
+        mu = opt.opt_state[0].mu[name]["kernel"].get_value()
+        assert mu.sharding == kernel.get_value().sharding
+    x = jnp.ones((4, 8))
+    gd, st = nnx.split((net, opt))
+
+    def step(st, x):
+        m, o = nnx.merge(gd, st)
+        loss, g = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(m)
+        o.update(m, g)
+        return loss, nnx.state((m, o))
+
+    got = mm.jit(step, mesh=mesh222)(st, x)
+    assert_close(got, jax.jit(step)(mm.distributed.to_host(st), x), rtol=1e-5, atol=1e-7)
     with nn.logical_axis_rules(r0):  # no task rules: the ambient ones, as Flax made them
         same = mm.flax.create(lambda k: Net(nnx.Rngs(k), own_rules=False), key, mesh=mesh222)
     assert same.b.kernel.get_value().sharding.spec == jax.P(None, "model")
-    assert_close(nnx.state(same), nnx.state(plain))
+    assert_close(jax.tree.leaves(nnx.state(same)), jax.tree.leaves(nnx.state(plain)))
 
 
 def test_nnx_create_by_layer_shards_each_layer_by_its_tasks_rules():
@@ -811,3 +826,31 @@ def test_nnx_create_by_layer_shards_each_layer_by_its_tasks_rules():
     kernel = model.blocks.lin.kernel.get_value()
     assert kernel.sharding.spec == jax.P("stage", None, "model")
     assert_close(kernel, eager.blocks.lin.kernel.get_value())
+
+
+def test_a_python_attribute_fun_changes_is_a_clear_error_in_every_mode(mesh4x2):
+    """An NNX module whose call sets a Python attribute (``self.calls += 1``) cannot
+    carry it from one microbatch to the next (as a ``lax.scan`` carry cannot): a clear
+    error eagerly, under jax.jit and under mm.jit (was JAX's scan carry-structure error,
+    and under mm.jit the change silently dropped)."""
+
+    class Counting(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+            self.calls = 0
+
+        def __call__(self, x):
+            self.calls += 1
+            return self.lin(x)
+
+    mb = mm.microbatch(lambda m, x: m(x), 4, argnums=1, reduce="stack")
+    x = jnp.ones((8, 4))
+    gd, st = nnx.split(Counting(nnx.Rngs(0)))
+
+    def step(st, x):
+        return mb(nnx.merge(gd, st), x)
+
+    for f in (lambda: mb(Counting(nnx.Rngs(0)), x), lambda: jax.jit(step)(st, x),
+              lambda: mm.jit(step, mesh=mesh4x2)(st, x)):
+        with pytest.raises(ValueError, match=r"changed the structure.*nnx\.Variable"):
+            f()

@@ -358,9 +358,17 @@ def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
                     break
             else:
                 node.set_value(shard(node.get_value()))
-        if eager:  # the variables' metadata as made outside create
+        if eager:
+            # variables without shardings: their metadata as made outside create. Those
+            # with one keep eager sharding off: they are placed, and state made from them
+            # (nnx.Optimizer's) keeps that placement instead of being sharded again on
+            # the global mesh by rules that are not its task's (which fails)
             for _path, node in nnx.iter_graph(model):
-                if isinstance(node, nnx.Variable) and not node.get_metadata("eager_sharding"):
+                if (
+                    isinstance(node, nnx.Variable)
+                    and not node.get_metadata("eager_sharding")
+                    and not node.get_metadata("out_sharding", None)
+                ):
                     node.set_metadata("eager_sharding", True)
         graphdef, state = nnx.split(model)
         box["graphdef"] = graphdef

@@ -205,6 +205,7 @@ def microbatch(
             """``fun`` on microbatch arguments ``k_args`` and carried values ``vals``:
             ``((out, aux), the carried values' leaves after fun)``."""
             state_before = [jax.tree_util.tree_leaves(v) for v in vals]
+            structs = [jax.tree_util.tree_structure(v) for v in vals]
             plain = tuple(_plain(v) for v in vals)
             k_args = _with_batch(k_args, carried_pos, plain[: len(carried_pos)])
             kw = {**kwargs, **dict(zip(carried_kw, plain[len(carried_pos) :]))}
@@ -212,6 +213,7 @@ def microbatch(
             out = fun(*k_args, **kw)
             after = [jax.tree_util.tree_leaves(v) for v in vals]
             changed[:] = _state_changes(fun_name, state_before, after)
+            _check_structure(fun_name, structs, vals)
             for (what, v), old in zip(closed, before):
                 # values traced here, stored into an argument that is closed over: its
                 # changes cannot go on to the next microbatch (JAX would leak them).
@@ -436,6 +438,23 @@ def _state_changes(fun_name: str, before: list[list[Any]], after: list[list[Any]
                 )
         changed.append(at)
     return changed
+
+
+def _check_structure(fun_name: str, before: list[Any], vals: tuple[Any, ...]) -> None:
+    """Carried arguments keep their structure from one microbatch to the next, as a
+    ``lax.scan`` carry (the reference): a Python attribute of an NNX module that ``fun``
+    changes (``self.calls += 1``) cannot go on to the next microbatch."""
+    for n, (a, v) in enumerate(zip(before, vals)):
+        b = jax.tree_util.tree_structure(v)
+        if a != b:
+            raise ValueError(
+                f"microbatch: {fun_name} changed the structure of a non-batch argument "
+                f"(carried argument {n}) without changing its number of leaves: a Python "
+                "attribute of an NNX module it sets (self.count += 1), or a static value "
+                "of a pytree. Only array state goes from one microbatch to the next (as a "
+                "lax.scan carry): keep such a value in an nnx.Variable, or set it outside "
+                "the microbatched function."
+            )
 
 
 def _weak(x: Any) -> bool:
