@@ -372,3 +372,30 @@ def test_transfer_guard_applies_to_the_callers_transfers_not_the_plans(mesh4x2):
         pytest.raises(ValueError, match="Disallowed host-to-device transfer: argument x"),
     ):
         g(np.ones(8, np.float32))
+
+
+def test_a_tracer_leaked_from_an_earlier_trace_is_jaxs_unexpected_tracer_error():
+    """A tracer one mm.jit trace stored in a global, closed over by another traced
+    function: JAX's UnexpectedTracerError, as under jax.jit (was a low-level
+    InvalidInputException from putting the tracer on a device)."""
+    mesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    leaked = []
+
+    def leak(w, x):
+        with mm.task("a", stage=0):
+            h = x @ w
+        leaked.append(h)
+        with mm.task("b", stage=1):
+            return jnp.sum(h)
+
+    w, x = jnp.eye(4), jnp.ones((8, 4))
+    mm.jit(leak, mesh=mesh)(w, x)
+
+    def use(w, x):
+        with mm.task("a", stage=0):
+            return jnp.sum(x @ w + leaked[0])
+
+    with pytest.raises(jax.errors.UnexpectedTracerError, match="float32\\[8,4\\]"):
+        jax.jit(use)(w, x)
+    with pytest.raises(jax.errors.UnexpectedTracerError, match="float32\\[8,4\\]"):
+        mm.jit(use, mesh=mesh)(w, x)

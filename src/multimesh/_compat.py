@@ -662,6 +662,17 @@ def trace_context() -> Any:
     return _config.trace_context()
 
 
+def check_no_escaped_tracers(consts: Any) -> None:
+    """Raise JAX's ``UnexpectedTracerError`` (as ``jax.jit`` does) for a value traced
+    elsewhere that a traced function captured: a tracer leaked from an earlier trace
+    (stored in a global) becomes a constant of ``jax.make_jaxpr``'s jaxpr."""
+    for c in consts:
+        if isinstance(c, _core.Tracer):
+            raise _core.escaped_tracer_error(
+                c, "It was captured by a function mm.jit traced (a closed-over value)."
+            )
+
+
 def traces_of_their_own() -> contextlib.AbstractContextManager[Any]:
     """A context in which nested ``jax.jit`` functions are traced anew, not taken from
     JAX's trace cache of calls outside ``mm.jit`` (nor give theirs to them): the same

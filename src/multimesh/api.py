@@ -236,6 +236,7 @@ class MpmdFunction:
                     es.enter_context(_compat.set_mesh(mmesh.mesh))
                 try:
                     closed = jax.make_jaxpr(flat_fun)(*[trace_arg(x) for x in flat])
+                    _compat.check_no_escaped_tracers(closed.consts)
                 except Exception as e:  # JAX names our flat function: name the user's
                     if mmesh is not None and "use_abstract_mesh cannot change the size" in str(e):
                         raise ValueError(_SHARD_MAP_TRANSPOSE) from e

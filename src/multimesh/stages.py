@@ -574,12 +574,22 @@ class Compiled(_ArgsInfo):
                 "they were not donated (as jax.jit warns of donated buffers it cannot use).",
                 stacklevel=4,
             )
-        out = run(flat)
+        try:
+            out = run(flat)
+        except BaseException as e:
+            # failed at run time (a callback raising on some stage): every donated
+            # argument is gone, as under jax.jit, not only those work had already used
+            if getattr(e, "mm_ran", False):
+                self._delete_donated(flat)
+            raise
+        self._delete_donated(flat)
+        return out
+
+    def _delete_donated(self, flat: Sequence[Any]) -> None:
         for i in self._donated:
             x = flat[i]
             if isinstance(x, jax.Array) and not x.is_deleted():
                 x.delete()
-        return out
 
     def _constants_donated(self, flat: Sequence[Any]) -> list[int]:
         """Donated arguments holding the buffers of a constant the function captures (a

@@ -8,6 +8,8 @@ No jaxpr is walked at run time.
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import operator
 import re
@@ -794,20 +796,28 @@ class Executable:
         # (program, call) pair naming cross-process transfers and to_host outputs
         self._calls = _CALLS[self._uid] = _CALLS.get(self._uid, 0) + 1
         env = self.fresh_env()
-        for code, fn, get, outs, free, copy in self._loop:
-            if code == _RUN:
-                res = fn(*get(env))
-                for i, r in zip(outs, res):
-                    env[i] = r
-                if copy is not None:
-                    pick, dst, copier = copy
-                    for i, v in zip(dst, copier(pick(res))):
-                        env[i] = v
-            else:
-                fn(env, args)
-            for i in free:
-                env[i] = None
-        return self.finish(env)
+        ran = False
+        try:
+            for code, fn, get, outs, free, copy in self._loop:
+                if code == _RUN:
+                    res = fn(*get(env))
+                    ran = True
+                    for i, r in zip(outs, res):
+                        env[i] = r
+                    if copy is not None:
+                        pick, dst, copier = copy
+                        for i, v in zip(dst, copier(pick(res))):
+                            env[i] = v
+                else:
+                    fn(env, args)
+                for i in free:
+                    env[i] = None
+            return self.finish(env)
+        except BaseException as e:
+            if ran:  # failed at run time, after work started (see Compiled._donating)
+                with contextlib.suppress(AttributeError, TypeError):
+                    e.mm_ran = True  # type: ignore[attr-defined]
+            raise
 
 
 def _kept_layout(x: Any, target: Any) -> Any:
