@@ -9,7 +9,6 @@ No jaxpr is walked at run time.
 from __future__ import annotations
 
 import contextlib
-
 import functools
 import operator
 import re
