@@ -560,6 +560,9 @@ from jax.ad_checkpoint import checkpoint_name
 sys.path.insert(0, sys.argv[1])
 from test_compiling import one_device_pipeline
 
+if sys.argv[2] == "turned-off":  # JAX decided at its first compile: it keeps the cache
+    jax.jit(lambda a: a + 1)(1.0)
+    jax.config.update("jax_compilation_cache_dir", None)
 step, ws, x, mesh = one_device_pipeline(2)
 c = mm.jit(step, mesh=mesh).lower(ws, x).compile()
 out, ref = c(ws, x), jax.jit(step)(ws, x)
@@ -569,10 +572,13 @@ print(json.dumps({"stats": c.compile_stats, "diff": diff}))
 """
 
 
-def test_persistent_compilation_cache_restart_runs_every_fragment(tmp_path):
+@pytest.mark.parametrize("mode", ["on", "turned-off"])
+def test_persistent_compilation_cache_restart_runs_every_fragment(tmp_path, mode):
     """With JAX's persistent cache, fragments compile (and later load) through it: a
     restarted process gets correct results (a relocated copy of a cache-loaded executable
-    would fail at run time on XLA:CPU)."""
+    would fail at run time on XLA:CPU). Also when the settings turn the cache off after
+    JAX's first compile, which JAX ignores (it kept relocating: "Function ... not
+    found", found by a probe)."""
     import json
     import os
     import subprocess
@@ -587,7 +593,7 @@ def test_persistent_compilation_cache_restart_runs_every_fragment(tmp_path):
     here = os.path.dirname(__file__)
     for _ in range(2):  # the first process fills the cache, the second loads from it
         proc = subprocess.run(
-            [sys.executable, "-c", _CACHED_RUN, here],
+            [sys.executable, "-c", _CACHED_RUN, here, mode],
             capture_output=True,
             text=True,
             timeout=240,

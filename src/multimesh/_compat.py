@@ -286,10 +286,16 @@ def persistent_cache_on() -> bool:
 
     Executables it loads are deserialized ones, which XLA:CPU cannot serialize again
     whole (a relocated copy fails at run time with "Function ... not found"); with the
-    cache on, every fragment compiles (or loads) through it instead."""
-    return bool(jax.config.jax_compilation_cache_dir) and bool(
+    cache on, every fragment compiles (or loads) through it instead. JAX decides once
+    per process, at its first compile, and keeps reading the cache after the settings
+    turn it off: that decision counts too."""
+    if bool(jax.config.jax_compilation_cache_dir) and bool(
         jax.config.jax_enable_compilation_cache
-    )
+    ):
+        return True
+    from jax._src import compilation_cache as _cc
+
+    return bool(getattr(_cc, "_cache_checked", False) and getattr(_cc, "_cache_used", False))
 
 
 def relocate_compiled(compiled: Any, mapping: dict[int, Any]) -> Any:
