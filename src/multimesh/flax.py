@@ -314,6 +314,12 @@ def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
     the ``mm.flax.task`` that owns it (and nowhere else).
 
     ``model = mm.flax.create(lambda key: Model(cfg, rngs=nnx.Rngs(key)), key, mesh=mmesh)``
+
+    Variables annotated with shardings (``nnx.with_partitioning``) are sharded there by
+    the logical rules of their task (``mm.flax.task(..., logical_axis_rules=)``, else the
+    active ones), and keep ``eager_sharding=False`` in their metadata, so state made from
+    them (``nnx.Optimizer``) stays with each parameter instead of being sharded again on
+    the global mesh.
     """
     from flax import nnx
 
