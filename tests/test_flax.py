@@ -854,3 +854,74 @@ def test_a_python_attribute_fun_changes_is_a_clear_error_in_every_mode(mesh4x2):
               lambda: mm.jit(step, mesh=mesh4x2)(st, x)):
         with pytest.raises(ValueError, match=r"changed the structure.*nnx\.Variable"):
             f()
+
+
+def test_carried_arguments_edge_cases_match_a_python_loop(mesh4x2):
+    """Found by a probe of the carried arguments, each against a Python loop over the
+    microbatches, eagerly, under jax.jit and under mm.jit: (1) two arguments sharing a
+    BatchNorm, both changed: the second's stale copy overwrote the first's changes on
+    write-back; (2) an nnx.Variable argument fun changes crashed on write-back; (3) a
+    Python flag next to a module was traced (``if d["train"]`` failed); (4) an unhashable
+    config next to a module made the argument closed over (Flax's trace-level error)."""
+    import dataclasses
+
+    M, x = 4, jnp.arange(16.0).reshape(8, 2) / 4
+
+    class Holder(nnx.Module):
+        def __init__(self, bn):
+            self.bn = bn
+            self.count = nnx.Variable(jnp.zeros(()))
+
+    @dataclasses.dataclass
+    class Cfg:  # unhashable (eq without frozen)
+        scale: float = 2.0
+
+    def shared(bn, holder, xb):
+        holder.count[...] = holder.count[...] + 1
+        return bn(xb).sum()
+
+    def variable(w, xb):
+        w[...] = w[...] + 1
+        return (xb @ w[...]).sum()
+
+    def flagged(d, xb):
+        out = d["m"](xb) * d["cfg"].scale
+        return out.sum() if d["train"] else -out.sum()
+
+    mk = lambda: nnx.BatchNorm(2, momentum=0.5, rngs=nnx.Rngs(0))  # noqa: E731
+
+    def run(mode):
+        """(bn mean, holder count, w, flagged output, flagged module's mean) after one
+        call, ``mode``: "loop" (Python loop), "eager", "jit" or "mm"."""
+
+        def body(bn_st, w0, bn2_st):
+            bn, w, bn2 = nnx.merge(gd, bn_st), nnx.Param(w0), nnx.merge(gd, bn2_st)
+            holder = Holder(bn)
+            d = {"m": bn2, "train": True, "cfg": Cfg()}
+            if mode == "loop":
+                out = 0.0
+                for k in range(M):
+                    shared(bn, holder, x[2 * k : 2 * k + 2])
+                for k in range(M):
+                    variable(w, x[2 * k : 2 * k + 2])
+                for k in range(M):
+                    out = out + flagged(d, x[2 * k : 2 * k + 2])
+            else:
+                mm.microbatch(shared, M, argnums=2)(bn, holder, x)
+                mm.microbatch(variable, M, argnums=1)(w, x)
+                out = mm.microbatch(flagged, M, argnums=1)(d, x)
+            return bn.mean[...], holder.count[...], w[...], out, bn2.mean[...]
+
+        # fresh states: nnx.merge reuses a state's Variables, which the call changes
+        (gd, st), (_, st2) = nnx.split(mk()), nnx.split(mk())
+        args = (st, jnp.ones(2), st2)
+        if mode == "jit":
+            return jax.jit(body)(*args)
+        if mode == "mm":
+            return mm.jit(body, mesh=mesh4x2)(*args)
+        return body(*args)
+
+    want = run("loop")
+    assert float(want[1]) == M  # the holder counted every microbatch
+    for mode in ("eager", "jit", "mm"):
+        assert_close(run(mode), want, rtol=1e-5, atol=1e-6)

@@ -961,3 +961,26 @@ def test_interleaved_mesh_tasks_are_named_in_the_error():
     g = mm.microbatch(jax.value_and_grad(loss), 2, argnums=(1, 2), schedule="interleaved-1f1b")
     with pytest.raises(ValueError, match=r"Tasks \['s1', 's3'\] are mesh= tasks.*stage= numbers"):
         mm.jit(g, mesh=mmesh).lower(weights(4), x, y)
+
+
+def test_weak_state_made_another_kind_is_refused_as_by_the_scan(mesh4x2):
+    """A weakly typed float carried and made int32 by fun: lax.scan (the reference)
+    refuses it, and so does mm.jit now (it promoted the float straight to int32 and
+    ran: found by a probe); a weak float made bfloat16 still promotes in both."""
+    x = jnp.arange(16.0).reshape(8, 2) / 10
+
+    def to_int(xb, c):
+        c["s"] = (c["s"] + xb.sum()).astype(jnp.int32)
+        return c["s"].astype(jnp.float32)
+
+    def to_bf16(xb, c):
+        c["s"] = (c["s"] + xb.sum()).astype(jnp.bfloat16)
+        return c["s"].astype(jnp.float32)
+
+    def step(fun):
+        return lambda x, c: mm.microbatch(fun, 4, argnums=0, reduce="stack")(x, dict(c))
+
+    for f in (jax.jit(step(to_int)), mm.jit(step(to_int), mesh=mesh4x2)):
+        with pytest.raises(TypeError, match="float32 to \\(\\) int32"):
+            f(x, {"s": 1.0})
+    assert_close(mm.jit(step(to_bf16), mesh=mesh4x2)(x, {"s": 1.0}), jax.jit(step(to_bf16))(x, {"s": 1.0}))

@@ -295,7 +295,9 @@ def persistent_cache_on() -> bool:
         return True
     from jax._src import compilation_cache as _cc
 
-    return bool(getattr(_cc, "_cache_checked", False) and getattr(_cc, "_cache_used", False))
+    # a cache JAX opened and decided to use (``_cache_used`` alone is only the
+    # enabling setting's value at that time: True by default, with no cache)
+    return getattr(_cc, "_cache", None) is not None and bool(getattr(_cc, "_cache_used", False))
 
 
 def relocate_compiled(compiled: Any, mapping: dict[int, Any]) -> Any:

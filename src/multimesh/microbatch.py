@@ -311,7 +311,7 @@ def microbatch(
         # only where fun changed something (two arguments may share a module)
         for old, new, c in zip(carried0, final, changed):
             if c:
-                _update_module(old, new)
+                _update_module(old, new, c)
         outs = jax.tree.map(
             lambda r, o: o / M if r == "mean" and not _float0(o) else o, red, outs
         )
@@ -429,7 +429,7 @@ def _state_changes(fun_name: str, before: list[list[Any]], after: list[list[Any]
         for j in at:
             a = (tuple(np.shape(xs[j])), jnp.result_type(xs[j]))
             b = (tuple(np.shape(ys[j])), jnp.result_type(ys[j]))
-            if a != b and not (a[0] == b[0] and _weak(xs[j])):  # weak: promoted, as scan
+            if a != b and not (a[0] == b[0] and _weak(xs[j]) and _promotes(xs[j], b[1])):
                 raise TypeError(
                     f"microbatch: {fun_name} changed state it carries from one microbatch "
                     f"to the next (carried argument {n}, leaf {j}) from shape {a[0]} "
@@ -457,6 +457,12 @@ def _check_structure(fun_name: str, before: list[Any], vals: tuple[Any, ...]) ->
             )
 
 
+def _promotes(x: Any, dtype: Any) -> bool:
+    """Whether a weakly typed ``x`` takes ``dtype`` as a ``lax.scan`` carry does (a weak
+    float becomes bfloat16, not int32: the scan then refuses the carry's new type)."""
+    return jnp.result_type(x, dtype) == dtype
+
+
 def _weak(x: Any) -> bool:
     if isinstance(x, (bool, int, float, complex)):
         return True
@@ -477,7 +483,7 @@ def _promote_weak(traced_once: Any, batch: list[Any], state: list[Any], changed:
             leaves, treedef = jax.tree_util.tree_flatten(v)
             for j, a in zip(c, ns):
                 x = leaves[j]
-                if _weak(x) and jnp.result_type(x) != a.dtype:
+                if _weak(x) and jnp.result_type(x) != a.dtype and _promotes(x, a.dtype):
                     leaves[j] = jax.lax.convert_element_type(x, a.dtype)
                     promoted = True
             out.append(jax.tree_util.tree_unflatten(treedef, leaves))
@@ -487,19 +493,29 @@ def _promote_weak(traced_once: Any, batch: list[Any], state: list[Any], changed:
     return state
 
 
-def _update_module(old: Any, new: Any) -> None:
+def _update_module(old: Any, new: Any, changed: list[int]) -> None:
     """Write the state a loop left in a copy ``new`` of a carried argument back into the
-    caller's NNX modules in ``old`` (a module, or modules in a tuple, list or dict;
-    nothing for other values, which are not changed in place)."""
+    caller's NNX modules in ``old`` (a module, a Variable, or those in a tuple, list or
+    dict; nothing for other values, which are not changed in place). Only the leaves
+    ``fun`` changed (positions ``changed``) are written, over the modules' current
+    state: another argument sharing a module may have written its changes already."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return
+    if isinstance(old, _Graph) and isinstance(new, _Graph):
+        current, aux = old.tree_flatten()
+        final = jax.tree_util.tree_leaves(new)
+        for j in changed:
+            current[j] = final[j]
+        new = _Graph.tree_unflatten(aux, current)
     old, new = _plain(old), _plain(new)
     is_node = nnx.graph.is_graph_node
     olds = jax.tree_util.tree_leaves(old, is_leaf=is_node)
     news = jax.tree_util.tree_leaves(new, is_leaf=is_node)
     for o, n in zip(olds, news):
-        if is_node(o):
+        if isinstance(o, nnx.Variable):
+            o.set_value(n.get_value())
+        elif is_node(o):
             nnx.update(o, nnx.state(n))
 
 
@@ -535,10 +551,6 @@ def _carried(tree: Any) -> bool:
     nodes = jax.tree_util.tree_leaves(tree, is_leaf=nnx.graph.is_graph_node)
     if not any(nnx.graph.is_graph_node(n) for n in nodes):
         return False
-    try:  # other leaves (a string next to the module) stay static: hashable
-        hash(tuple(x for x in leaves if not _numeric(x)))
-    except TypeError:
-        return False
     return True
 
 
@@ -562,6 +574,34 @@ def _plain(v: Any) -> Any:
 _UNMADE = object()
 
 
+class _ById:
+    """An unhashable static value (a plain dataclass config next to a module), compared
+    by identity in a pytree's structure."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ById) and other.value is self.value
+
+
+def _hashable(x: Any) -> Any:
+    try:
+        hash(x)
+    except TypeError:
+        return _ById(x)
+    return x
+
+
+def _unbox(x: Any) -> Any:
+    return x.value if isinstance(x, _ById) else x
+
+
 @jax.tree_util.register_pytree_node_class
 class _Graph:
     """A carried argument holding Flax NNX modules (alone or in a tuple, list or dict),
@@ -575,8 +615,13 @@ class _Graph:
         self._tree = tree
         self._flat: tuple[list[Any], Any] | None = None
         leaves, _ = self._split()
+        # Python numbers next to the modules stay static too, as NNX keeps them in a
+        # module ({"m": model, "train": True}: fun's Python code reads the flag)
         self.static = tuple(
-            j for j, x in enumerate(leaves) if not _numeric(x) and not _compat.is_tracer(x)
+            j
+            for j, x in enumerate(leaves)
+            if (not _numeric(x) or type(x) in (bool, int, float, complex))
+            and not _compat.is_tracer(x)
         )
 
     def _split(self) -> tuple[list[Any], Any]:
@@ -606,7 +651,7 @@ class _Graph:
     def tree_flatten(self) -> tuple[list[Any], Any]:
         # once read, the modules may have been changed in place: split them again
         leaves, structure = self._flat if self._tree is _UNMADE else self._split()
-        fixed = tuple((j, leaves[j]) for j in self.static)
+        fixed = tuple((j, _hashable(leaves[j])) for j in self.static)
         return [x for j, x in enumerate(leaves) if j not in self.static], (structure, fixed)
 
     @classmethod
@@ -617,7 +662,7 @@ class _Graph:
         n = len(children) + len(at)
         out = cls.__new__(cls)
         out._tree = _UNMADE
-        out._flat = ([at[j] if j in at else next(it) for j in range(n)], structure)
+        out._flat = ([_unbox(at[j]) if j in at else next(it) for j in range(n)], structure)
         out.static = tuple(at)
         return out
 
