@@ -44,6 +44,16 @@ def test_logical_rules_per_task(mesh222):
     assert stage_of(w_tp, mesh222) == 0 and stage_of(w_dp, mesh222) == 1
     assert w_tp.sharding.is_equivalent_to(NamedSharding(mesh222.submesh(0), P(None, "model")), 2)
     assert w_dp.sharding.is_fully_replicated
+    # optimizer state made from the boxes keeps each parameter's task rules (it was
+    # resolved by the ambient rules: replicated, or another stage's layout)
+    stages = lambda path, x: 0 if "'tp'" in jax.tree_util.keystr(path) else 1  # noqa: E731
+    for ambient in ((), TP):
+        with nn.logical_axis_rules(ambient):
+            opt = mm.flax.init(optax.adam(1e-3).init, mesh=mesh222, stages=stages)(params)
+        for name in ("tp", "dp"):
+            for w in ("w", "w2"):
+                mu = opt[0].mu["params"][name][w].unbox()
+                assert mu.sharding == params["params"][name][w].unbox().sharding, (name, w)
     params = nn.meta.unbox(params)
 
     def loss(p, x):

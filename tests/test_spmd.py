@@ -437,3 +437,20 @@ def test_a_split_value_stays_split_between_meshes_of_other_axes():
     (b_in,), _ = c2.fragments[1].input_shardings
     assert b_in.spec == P(("x", "y")), b_in
     assert_close(c2(x), want)
+
+
+def test_a_constant_made_in_a_task_keeps_its_sharding_constraint(mesh222):
+    """A fragment without inputs that constrains what it makes (zeros sharded over
+    "model", as an optimizer's state) returns it so sharded, as jax.jit does (XLA made it
+    replicated: nothing told it which devices the submesh's abstract mesh meant)."""
+
+    def f():
+        with mm.task("t", stage=1):
+            return jax.lax.with_sharding_constraint(jnp.zeros((8, 16)), P(None, "model"))
+
+    got = mm.jit(f, mesh=mesh222)()
+    with mesh222:
+        want = jax.jit(f)()
+    assert got.sharding.spec == want.sharding.spec == P(None, "model")
+    assert stage_of(got, mesh222) == 1
+    assert_close(got, want)

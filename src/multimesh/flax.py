@@ -178,9 +178,12 @@ def init(
         finally:
             _RULES_BY_PATH.reset(tok)
         leaves, tree = jax.tree_util.tree_flatten_with_path(out, is_leaf=_is_box)
+        # a box keeps the rules of the task that made it, so state made from it later
+        # (an optimizer's, through mm.flax.init(tx.init)) resolves its names the same way
+        leaves = [(path, _with_rules(x, _rules_for(path, rules_by_path))) for path, x in leaves]
         stage_of = _per_leaf(stages, out, leaves, "stages")
         spec_of = (
-            [_declared_spec(x, _rules_for(path, rules_by_path)) for path, x in leaves]
+            [_declared_spec(x) for _path, x in leaves]
             if isinstance(shardings, str) and shardings == "declared"
             else _per_leaf(shardings, out, leaves, "shardings")
         )
@@ -208,6 +211,15 @@ def _is_box(x: Any) -> bool:
     return isinstance(x, meta.AxisMetadata)
 
 
+def _with_rules(x: Any, rules: Any) -> Any:
+    """A Linen ``LogicallyPartitioned`` box without rules of its own given ``rules``."""
+    from flax import linen as nn
+
+    if rules and isinstance(x, nn.LogicallyPartitioned) and not getattr(x, "rules", None):
+        return x.replace(rules=rules)
+    return x
+
+
 def _rules_for(path: Any, rules_by_path: dict[tuple, Any]) -> Any:
     """The logical rules of the innermost task-wrapped Linen module holding ``path``."""
     keys = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
@@ -220,9 +232,9 @@ def _rules_for(path: Any, rules_by_path: dict[tuple, Any]) -> Any:
     return found
 
 
-def _declared_spec(x: Any, task_rules: Any = None) -> Any:
+def _declared_spec(x: Any) -> Any:
     """The PartitionSpec a Linen box declares (logical names through the rules of the
-    box, of the task that created it, or the active ``nn.logical_axis_rules``)."""
+    box, given it by the task that created it, or the active ``nn.logical_axis_rules``)."""
     if not _is_box(x):
         return None
     from flax import linen as nn
@@ -231,8 +243,7 @@ def _declared_spec(x: Any, task_rules: Any = None) -> Any:
     if names is None:
         return None
     if isinstance(x, nn.LogicallyPartitioned):
-        rules = getattr(x, "rules", None) or task_rules
-        return nn.logical_to_mesh_axes(names, rules)
+        return nn.logical_to_mesh_axes(names, getattr(x, "rules", None))
     return jax.sharding.PartitionSpec(*names)
 
 

@@ -294,13 +294,23 @@ def outputs_replicated(
     the fixed output sharding still makes the values right (XLA gathers it)."""
     if not in_shardings:
         return False
+    return places_nothing(jaxpr, out_avals) and all(
+        replicated_on(sh, mesh) for sh in in_shardings
+    )
+
+
+def places_nothing(jaxpr: Any, out_avals: Any) -> bool:
+    """Whether ``jaxpr`` names no sharding, mesh or device other than replicated ones
+    (no sharding constraint, ``shard_map``, ``device_put``; no sharded output type): a
+    fragment without inputs that does so makes replicated outputs (one that constrains
+    a constant it makes, ``with_sharding_constraint(zeros, P(None, "model"))``, does not)."""
     if not all(_names_nothing(p) for p in embedded_placements(jaxpr, CONTEXT_ONLY)):
         return False
     for av in out_avals:
         spec = getattr(getattr(av, "sharding", None), "spec", None)
         if spec is not None and not _shards_nothing(spec):
             return False  # sharding in types: the output's type names its sharding
-    return all(replicated_on(sh, mesh) for sh in in_shardings)
+    return True
 
 
 # --- one compile for every submesh of the same shape ---------------------------------------

@@ -178,14 +178,12 @@ class Executable:
                 # inputs that names no sharding makes replicated outputs: fix these, so the
                 # fragments using the outputs need not wait for this compile (they compile
                 # at once, in parallel)
+                out_types = [v.aval for v, _ in f.outputs]
                 fixed = (
                     mesh.size == 1
-                    or not in_ids
+                    or (not in_ids and compiling.places_nothing(jaxpr, out_types))
                     or compiling.outputs_replicated(
-                        [dict.get(slot_sh, i) for i in in_ids],
-                        mesh,
-                        jaxpr,
-                        [v.aval for v, _ in f.outputs],
+                        [dict.get(slot_sh, i) for i in in_ids], mesh, jaxpr, out_types
                     )
                 )
                 out_sh = tuple(
@@ -872,8 +870,13 @@ def _tuple_getter(idx: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ..
 def _compile(body, in_sh, out_sh, donate, avals, options, info, mesh) -> Any:
     """Compile one fragment. Outputs XLA pins to one device (e.g. a callback's result)
     are made replicated NamedShardings, so later fragments can take them as inputs."""
+    # without inputs nothing tells JAX the devices a sharding constraint on the submesh's
+    # abstract mesh refers to (it made such outputs replicated): the submesh, as context
+    def where() -> Any:
+        return _compat.mesh_context(mesh) if not avals else _compat.no_mesh_context()
+
     for attempt in range(2):
-        with compiling.quiet_unusable_donations(), _compat.no_mesh_context():
+        with compiling.quiet_unusable_donations(), where():
             try:
                 lowered = jax.jit(
                     body, in_shardings=in_sh, out_shardings=out_sh, donate_argnums=donate
