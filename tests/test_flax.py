@@ -925,3 +925,24 @@ def test_carried_arguments_edge_cases_match_a_python_loop(mesh4x2):
     assert float(want[1]) == M  # the holder counted every microbatch
     for mode in ("eager", "jit", "mm"):
         assert_close(run(mode), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_python_number_in_a_variable_is_state_next_to_a_module_is_static(mesh4x2):
+    """A Variable holding a Python int is carried state (counted per microbatch), while a
+    Python flag next to the module in the same argument stays static."""
+
+    class Counting(nnx.Module):
+        def __init__(self):
+            self.n = nnx.Variable(0)
+            self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            self.n[...] = self.n[...] + 1
+            return self.lin(x).sum()
+
+    fun = mm.microbatch(lambda d, x: d["m"](x) if d["train"] else 0.0, 4, argnums=1)
+    m = Counting()
+    got = fun({"m": m, "train": True}, jnp.ones((8, 2)))
+    assert int(m.n[...]) == 4
+    ref = Counting()
+    assert_close(got, sum(ref(jnp.ones((2, 2))) for _ in range(4)), rtol=1e-6)

@@ -572,6 +572,7 @@ def _plain(v: Any) -> Any:
 
 
 _UNMADE = object()
+_PY_NUMBERS = (bool, int, float, complex)
 
 
 class _ById:
@@ -614,13 +615,14 @@ class _Graph:
     def __init__(self, tree: Any):
         self._tree = tree
         self._flat: tuple[list[Any], Any] | None = None
-        leaves, _ = self._split()
-        # Python numbers next to the modules stay static too, as NNX keeps them in a
-        # module ({"m": model, "train": True}: fun's Python code reads the flag)
+        leaves, (_o, _a, _g, inner) = self._split()
+        # Python numbers next to the modules (not in their Variables, which carry them as
+        # state) stay static too ({"m": model, "train": True}: fun's Python code reads
+        # the flag)
         self.static = tuple(
             j
             for j, x in enumerate(leaves)
-            if (not _numeric(x) or type(x) in (bool, int, float, complex))
+            if (not _numeric(x) or (j >= inner.num_leaves and type(x) in _PY_NUMBERS))
             and not _compat.is_tracer(x)
         )
 
