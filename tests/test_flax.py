@@ -937,12 +937,12 @@ def test_a_python_number_in_a_variable_is_state_next_to_a_module_is_static(mesh4
             self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
 
         def __call__(self, x):
-            self.n[...] = self.n[...] + 1
+            self.n.set_value(self.n.get_value() + 1)
             return self.lin(x).sum()
 
     fun = mm.microbatch(lambda d, x: d["m"](x) if d["train"] else 0.0, 4, argnums=1)
     m = Counting()
     got = fun({"m": m, "train": True}, jnp.ones((8, 2)))
-    assert int(m.n[...]) == 4
+    assert int(m.n.get_value()) == 4
     ref = Counting()
     assert_close(got, sum(ref(jnp.ones((2, 2))) for _ in range(4)), rtol=1e-6)
