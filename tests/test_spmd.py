@@ -454,3 +454,13 @@ def test_a_constant_made_in_a_task_keeps_its_sharding_constraint(mesh222):
     assert got.sharding.spec == want.sharding.spec == P(None, "model")
     assert stage_of(got, mesh222) == 1
     assert_close(got, want)
+
+    def on(stage):
+        with mm.task(f"s{stage}", stage=stage):
+            return jax.lax.with_sharding_constraint(jnp.ones((4, 4)), P(None, "model"))
+
+    # the same program on both submeshes (and in another mm.jit) is not one executable:
+    # each makes its output on its own devices (a first version put both on stage 0)
+    both = mm.jit(lambda: (on(0), on(1)), mesh=mesh222)()
+    assert [stage_of(o, mesh222) for o in both] == [0, 1]
+    assert stage_of(mm.jit(lambda: on(1), mesh=mesh222)(), mesh222) == 1

@@ -226,6 +226,8 @@ class Executable:
                     # the same program planned for other input placements) share one
                     # executable
                     key = (text, in_sh, out_sh, donate, tuple(avals), opt_key, placed)
+                    if not in_sh:  # nothing else in the key names the devices it runs on
+                        key = (*key, mesh)
                     # ... and so do fragments that differ only in which submesh (of one
                     # shape) runs them: one compile, loaded for the other devices
                     rkey = compiling.device_free_key(
