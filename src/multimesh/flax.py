@@ -33,18 +33,24 @@ _RULES_BY_PATH: contextvars.ContextVar[dict[tuple, Any] | None] = contextvars.Co
 )
 
 
+def _module_task(module: Any, stage: Any) -> Any:
+    """The task of an NNX module ``mm.flax.task`` wrapped (its name, mesh and rules), on
+    ``stage``."""
+    return _task(
+        module.mm_task_name,
+        stage=stage,
+        mesh=module.mm_mesh,
+        logical_axis_rules=getattr(module, "mm_rules", None),
+    )
+
+
 def _nnx_class(cls: type) -> type:
     """A subclass of ``cls`` (same name) whose ``__call__`` runs inside the instance's task."""
     if cls in _CLASSES:
         return _CLASSES[cls]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
-        with _task(
-            self.mm_task_name,
-            stage=self.mm_stage,
-            mesh=self.mm_mesh,
-            logical_axis_rules=getattr(self, "mm_rules", None),
-        ):
+        with _module_task(self, self.mm_stage):
             return cls.__call__(self, *args, **kwargs)
 
     sub = type(
@@ -285,11 +291,7 @@ def _by_layer(
         )
 
     def body(carry: None, row: jax.Array) -> tuple[None, jax.Array]:
-        with _task(
-            owner.mm_task_name,
-            stage=owner.mm_stage,
-            logical_axis_rules=getattr(owner, "mm_rules", None),
-        ):
+        with _module_task(owner, owner.mm_stage):
             return carry, shard(row + 0, layer_axis=True)
 
     return jax.lax.scan(body, None, value)[1]
@@ -365,12 +367,7 @@ def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
                         break
                     if stage is not None:  # virtual (interleaved) stage -> its submesh
                         stage = stage % mesh.num_stages
-                    place = _task(
-                        owner.mm_task_name,
-                        stage=stage,
-                        mesh=owner.mm_mesh,
-                        logical_axis_rules=getattr(owner, "mm_rules", None),
-                    )
+                    place = _module_task(owner, stage)
                     node.set_value(place(lambda y, shard=shard: shard(y + 0))(node.get_value()))
                     break
             else:
