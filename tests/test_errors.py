@@ -134,7 +134,7 @@ def test_overlapping_meshes():
         with mm.task("b", mesh=b):
             return y * 2
 
-    with pytest.raises(ValueError, match=r"task 'b'.*overlaps the devices of 'a'"):
+    with pytest.raises(ValueError, match=r"task 'b'.*overlaps the devices of task 'a'"):
         mm.jit(f)(jnp.ones(4))
 
 
@@ -147,7 +147,9 @@ def test_mesh_overlapping_a_stage(mesh4x2):
         with mm.task("odd", mesh=odd):
             return x + 1
 
-    with pytest.raises(ValueError, match=r"task 'odd'.*overlaps the devices of 'stage0'"):
+    with pytest.raises(
+        ValueError, match=r"task 'odd'.*overlaps the devices of task 'first' \(stage 0\)"
+    ):
         run(f, mesh4x2, jnp.ones(4))
 
 
@@ -200,6 +202,23 @@ def test_spec_naming_stage_axis(mesh4x2):
 
     with pytest.raises(ValueError, match=r"task 't'.*names the stage axis 'stage'"):
         run(f, mesh4x2, jnp.ones(8))
+
+
+def test_global_sharding_axis_missing_in_mesh_task():
+    """A global-mesh NamedSharding inside a mesh= task whose mesh lacks its axes: a clear
+    error naming the task (was JAX's "Resource axis ... not found" from compiling)."""
+    mmesh = mm.make_mesh((2, 2, 2), ("stage", "data", "model"))
+    devs = jax.devices()
+    other = Mesh(np.array([devs[4], devs[6]]), ("q",), axis_types=(AxisType.Auto,))
+
+    def f(x):
+        with mm.task("a", stage=0):
+            h = x * 3
+        with mm.task("b", mesh=other):
+            return jax.lax.with_sharding_constraint(h * 2, NamedSharding(mmesh.mesh, P("data")))
+
+    with pytest.raises(ValueError, match=r"task 'b'.*names axes \['data'\].*\{'q': 2\}"):
+        mm.jit(f, mesh=mmesh)(jnp.ones((4, 4)))
 
 
 def test_sharding_on_other_submesh(mesh4x2):

@@ -1,5 +1,6 @@
 """Implicit tasks: task_rules place an unmodified (Flax Linen) model's layers."""
 
+import re
 import warnings
 
 import flax.linen as nn
@@ -95,6 +96,47 @@ def test_explicit_task_overrides_rule(mesh4x2):
 
     a, b = mm.jit(f, mesh=mesh4x2, task_rules={r"layers_0": 1})(jnp.ones(4))
     assert stage_of(a, mesh4x2) == 1 and stage_of(b, mesh4x2) == 3
+
+
+def test_rule_only_under_explicit_tasks_says_so(mesh4x2):
+    """A rule whose scopes all sit in (or around) explicit tasks placed nothing: the
+    warning says the tasks won, not that the scope does not exist."""
+
+    def f(x):
+        with jax.named_scope("enc"):
+            with mm.task("explicit", stage=1):
+                h = x * 2
+        with mm.task("inner", stage=2), jax.named_scope("dec"):
+            return h + 1
+
+    with pytest.warns(UserWarning) as rec:
+        out = mm.jit(f, mesh=mesh4x2, task_rules={"enc": 0, "dec": 0})(jnp.ones(4))
+    msgs = [str(w.message) for w in rec]
+    assert any("task_rules['enc'] matched only scopes inside explicit tasks ('explicit')" in m for m in msgs), msgs
+    assert any("task_rules['dec'] matched only scopes inside explicit tasks ('inner')" in m for m in msgs), msgs
+    assert not any("matched no named scope" in m for m in msgs), msgs
+    assert stage_of(out, mesh4x2) == 2
+
+
+def test_precompiled_regex_rules(mesh4x2):
+    """``re.compile`` keys work as their pattern strings do (they crashed on ``in``)."""
+
+    def f(x):
+        with jax.named_scope("enc"):
+            h = x * 2
+        with jax.named_scope("layers_3"):
+            return h + 1
+
+    rules = {re.compile(r"^enc$"): 1, re.compile(r"layers_(\d+)"): lambda m: int(m[1])}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lowered = mm.jit(f, mesh=mesh4x2, task_rules=rules).lower(jnp.ones(4))
+    assert sorted(fr.stage for fr in lowered.plan.fragments) == [1, 3]
+    out = mm.jit(f, mesh=mesh4x2, task_rules=rules)(jnp.ones(4))
+    assert stage_of(out, mesh4x2) == 3
+    assert_close(out, jnp.ones(4) * 2 + 1)
+    with pytest.raises(TypeError, match="task_rules keys are regexes"):
+        mm.jit(f, mesh=mesh4x2, task_rules={re.compile(rb"enc"): 1})
 
 
 def test_unmatched_and_overlapping_rules_warn(mesh4x2):

@@ -84,6 +84,9 @@ def label(
             raise ValueError("task_rules map scopes to stages: pass mesh=mmesh to mm.jit.")
         limit = mmesh.num_stages * virtual_stages
         for i, e in enumerate(prog.eqns):
+            if tasks[i] is not None:  # an explicit task wins over the rules: noted for
+                # the warning about rules that matched nothing else
+                rules.overridden(_compat.scope_names(e.source_info.name_stack), tasks[i].name)
             if tasks[i] is None:
                 scopes = _compat.scope_names(e.source_info.name_stack)
                 tasks[i] = rules.match(scopes, limit)
@@ -113,19 +116,24 @@ def label(
         if targets and r is not None and r.mesh is None and isinstance(r.stage, int)
     }
 
-    def reserve(t: Target, name: str) -> None:
+    def reserve(t: Target, name: str, label: str | None = None) -> None:
         for d in t.device_ids:
             if d in owner and owner[d][0] != t.index:
                 raise ValueError(
                     f"task {name!r}: its mesh (devices {list(t.device_ids)}) overlaps the "
-                    f"devices of {owner[d][1]!r} without being the same submesh; tasks must "
+                    f"devices of {owner[d][1]} without being the same submesh; tasks must "
                     "use disjoint device sets, or exactly the same devices in the same order."
                 )
-            owner[d] = (t.index, name)
+            owner[d] = (t.index, label or f"task {name!r}")
 
+    # who holds each stage's submesh, as an overlap error names it: its first task
+    holder: dict[int, str] = {}
+    for r in tasks:
+        if targets and r is not None and r.mesh is None and isinstance(r.stage, int):
+            holder.setdefault(r.stage % len(targets), f"task {r.name!r} (stage {r.stage})")
     for t in targets:
         if by_layer or t.index in used:
-            reserve(t, t.name)
+            reserve(t, t.name, holder.get(t.index, f"stage {t.index} (by-layer tasks)"))
 
     def target_of(ref: TaskRef) -> int:
         if ref.mesh is None:

@@ -45,20 +45,26 @@ def _path_match(rx: re.Pattern, scopes: list[str], k: int) -> tuple[re.Match | N
 class Rules:
     """Compiled task rules; remembers which scope went to which stage."""
 
-    def __init__(self, rules: Mapping[str, int | Callable[[re.Match], int]]) -> None:
+    def __init__(
+        self, rules: Mapping[str | re.Pattern, int | Callable[[re.Match], int]]
+    ) -> None:
         if not isinstance(rules, Mapping):
             raise TypeError("task_rules must be a dict {regex: stage | callable(match) -> stage}.")
         self.rules: list[tuple[str, re.Pattern, Any]] = []
-        for pat, target in rules.items():
-            if not isinstance(pat, (str, re.Pattern)):
+        for key, target in rules.items():
+            if isinstance(key, re.Pattern) and isinstance(key.pattern, str):
+                pat, rx = key.pattern, key  # precompiled: named by its pattern text
+            elif isinstance(key, str):
+                pat = key
+                try:
+                    rx = re.compile(pat)
+                except re.error as e:
+                    raise ValueError(f"task_rules: {pat!r} is not a valid regex ({e}).") from None
+            else:
                 raise TypeError(
-                    f"task_rules keys are regexes (str) matched against scope names, got "
-                    f"{pat!r}."
+                    f"task_rules keys are regexes (str or re.compile(str)) matched against "
+                    f"scope names, got {key!r}."
                 )
-            try:
-                rx = re.compile(pat)
-            except re.error as e:
-                raise ValueError(f"task_rules: {pat!r} is not a valid regex ({e}).") from None
             if isinstance(target, ByLayer):
                 pass
             elif not callable(target) and (
@@ -73,6 +79,22 @@ class Rules:
         self.assigned: dict[str, int] = {}
         self._memo: dict[tuple[str, ...], TaskRef | None] = {}
         self.overlaps: dict[str, list[str]] = {}
+        #: pattern -> explicit tasks (in order) whose code had a scope it matches
+        self.shadowed: dict[str, dict[str, None]] = {}
+        self._seen: set[tuple[tuple[str, ...], str]] = set()
+
+    def overridden(self, scopes: list[str], task: str) -> None:
+        """Note the rules matching a scope of an equation that the explicit ``task``
+        places (explicit tasks take precedence over rules)."""
+        key = (tuple(scopes), task)
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        clean = [s for s in scopes if MARKER not in s]
+        for k in range(len(clean)):
+            for pat, rx, _ in self.rules:
+                if (_path_match(rx, clean, k)[0] if "/" in pat else rx.search(clean[k])):
+                    self.shadowed.setdefault(pat, {}).setdefault(task, None)
 
     def match(self, scopes: list[str], limit: int) -> TaskRef | None:
         key = tuple(scopes)
@@ -155,6 +177,15 @@ class Rules:
                 f"task_rules overlap: several rules match {rows}.", stacklevel=_user_level()
             )
         unused = [p for p, scopes in self.used.items() if not scopes]
+        for p in [p for p in unused if p in self.shadowed]:
+            unused.remove(p)
+            names = ", ".join(repr(t) for t in self.shadowed[p])
+            warnings.warn(
+                f"task_rules[{p!r}] matched only scopes inside explicit tasks ({names}), "
+                "which take precedence over task_rules: the rule placed nothing. Remove the "
+                "rule or the task (or narrow the pattern).",
+                stacklevel=_user_level(),
+            )
         if unused:
             warnings.warn(
                 f"task_rules matched no named scope: {unused}. Check the patterns against "

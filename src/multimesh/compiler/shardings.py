@@ -107,7 +107,17 @@ def rewrite_value(v: Any, ctx: Ctx) -> Any:
                 _check_spec(v.spec, ctx)
             spec = _fit_spec(v.spec, tuple(ctx.target.axis_names))
             return NamedSharding(_abstract(m, ctx), spec)
-        spec = _check_spec(v.spec, ctx) if _is_global(m, ctx) else v.spec
+        spec = v.spec
+        if _is_global(m, ctx):
+            spec = _check_spec(spec, ctx)
+            missing = sorted(spec_axes(spec) - set(ctx.target.axis_names))
+            if missing:
+                raise ValueError(
+                    f"{ctx.where}: sharding spec {spec} on the global MultiMesh mesh names "
+                    f"axes {missing} that this code's mesh {dict(ctx.target.shape)} does not "
+                    "have. Inside a task, global-mesh shardings refer to the task's submesh: "
+                    "use that mesh's own axis names (a bare PartitionSpec over them)."
+                )
         return NamedSharding(_concrete(m, ctx), spec, memory_kind=v.memory_kind)
     if isinstance(v, AbstractMesh):
         if v.empty:
