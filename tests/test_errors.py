@@ -418,3 +418,17 @@ def test_a_tracer_leaked_from_an_earlier_trace_is_jaxs_unexpected_tracer_error()
         jax.jit(use)(w, x)
     with pytest.raises(jax.errors.UnexpectedTracerError, match="float32\\[8,4\\]"):
         mm.jit(use, mesh=mesh)(w, x)
+
+
+@pytest.mark.parametrize("bad", ["x", 1.0, None, (), [0, "a"], True])
+def test_microbatch_argnums_checked(bad):
+    """argnums must name batch arguments: other types were Python's own TypeErrors from
+    inside the call, and ``()`` silently ran fun on the whole batch M times."""
+    with pytest.raises(TypeError, match=r"microbatch argnums must be an int or a non-empty"):
+        mm.microbatch(lambda w, x: (w * x).sum(), 2, argnums=bad)
+
+
+def test_microbatch_batch_arguments_without_arrays():
+    g = mm.microbatch(lambda w, x: (w * x["a"]).sum() if x else w.sum(), 2, argnums=1)
+    with pytest.raises(ValueError, match=r"argnums=\(1,\): the batch arguments hold no arrays"):
+        g(jnp.ones(4), {})

@@ -311,6 +311,37 @@ def test_interleaving_errors():
         mm.jit(g, mesh=stage_mesh(4))(weights(3), x, y)
 
 
+def test_virtual_stages_outside_the_interleaved_loop_of_the_same_step():
+    """The same interleaved model evaluated after (and before) its loop in one step: its
+    virtual stages go to submesh i % S there too, as under jax.jit (was "stage=2 is out
+    of range" from the task, before the program's loops were known). A stage >= S in a
+    program without an interleaved loop stays an error."""
+    mmesh = stage_mesh(2)
+    x, y = data(8)
+    g = mm.microbatch(jax.value_and_grad(mlp_loss), 2, argnums=(1, 2), schedule="interleaved-1f1b")
+
+    def step(ws, x, y):
+        before = mlp_loss(ws, x, y)
+        v, gr = g(ws, x, y)
+        ws = [w - 0.1 * d for w, d in zip(ws, gr)]
+        return before, v, mlp_loss(ws, x, y), ws
+
+    ws = weights(4)
+    got = mm.jit(step, mesh=mmesh)(ws, x, y)
+    assert_close(got, reference(step, mmesh, ws, x, y))
+    assert [stage_of(w, mmesh) for w in got[3]] == [0, 1, 0, 1]
+
+    g1 = mm.microbatch(jax.value_and_grad(mlp_loss), 2, argnums=(1, 2), schedule="1f1b")
+
+    def too_far(ws, x, y):  # no interleaved loop: no virtual stages
+        v, _ = g1(ws[:2], x, y)
+        with mm.task("far", stage=2):
+            return v * 2
+
+    with pytest.raises(ValueError, match=r"task 'far': stage=2 is out of range.*valid: 0..1"):
+        mm.jit(too_far, mesh=mmesh)(ws, x, y)
+
+
 def test_interleaved_tasks_next_to_each_other_on_a_submesh_are_named():
     """8 task stages on 4 submeshes visited 6, 4, 7, 3, ...: 7 and 3 follow each other
     on submesh 3 and run as one pipeline stage. The error said "6 pipeline stages on 4

@@ -178,3 +178,14 @@ def test_a_stuck_order_names_its_real_blocker():
     ]
     with pytest.raises(ValueError, match=r"deadlock: .*\(B0@s0\) needs B0@s1.*\(F1@s1\) needs F1@s0"):
         S.validate(cyc, 2, 2)
+
+
+def test_an_order_for_other_stage_or_microbatch_counts_says_so():
+    """An order made for more stages (or microbatches) than the loop has: the error says
+    which count it names (it said "F0@s2 does not belong there (stage 2 runs on submesh
+    0 ...)" for an action placed on submesh 0)."""
+    order = S.Interleaved1F1B().order(2, 4, 2)  # 4 virtual stages, 4 microbatches
+    with pytest.raises(ValueError, match=r"F0@s2 names stage 2, but the loop has 2 stages"):
+        S.validate(order, 2, 4)
+    with pytest.raises(ValueError, match=r"F2@s0 names microbatch 2, but the loop has 2"):
+        S.validate(S.OneFOneB().build(2, 4, 1), 2, 2)

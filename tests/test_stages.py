@@ -1,6 +1,7 @@
 """mm.jit behaves like jax.jit: staged API, argument checks, caches, out_shardings,
 fresh outputs, donation."""
 
+import functools
 import logging
 
 import jax
@@ -271,9 +272,37 @@ def test_struct_call_and_eval_shape_errors(mesh4x2):
     with pytest.raises(TypeError, match=r"argument w: .*ShapeDtypeStruct, not a value"):
         compiled(sds, X)
     assert_close(compiled(W, X), reference(two_stage, mesh4x2, W, X))
-    with pytest.raises(TypeError, match=r"f.eval_shape"):
-        jax.eval_shape(f, W, X)
     assert f.eval_shape(W, X).shape == (8,)
+
+
+def test_jax_eval_shape_of_an_mm_jit_function(mesh4x2):
+    """``jax.eval_shape(f, ...)``, ``jax.make_jaxpr(f)`` and ``jax.jit(f).trace(...)``
+    give the outputs' types as for a ``jax.jit`` function (they raised "must be the
+    outermost transformation"); running, differentiating or batching it still raises."""
+
+    def g(w, x, n=2):
+        y = two_stage(w, x)
+        return {"y": y * n, "s": (y.sum(), 3.0), "i": jnp.arange(n)}
+
+    f = mm.jit(g, mesh=mesh4x2, static_argnames="n")
+    want = jax.eval_shape(jax.jit(g, static_argnames="n"), W, X)
+    assert jax.eval_shape(f, W, X) == want == f.eval_shape(W, X)
+    bf = jax.ShapeDtypeStruct(W.shape, jnp.bfloat16)
+    assert jax.eval_shape(f, bf, X) == jax.eval_shape(jax.jit(g), bf, X)
+    assert jax.eval_shape(functools.partial(f, n=3), W, X)["i"].shape == (3,)
+    assert jax.jit(f).trace(W, X).out_info == want
+    assert "mm_jit_call" in str(jax.make_jaxpr(f)(W, X))
+    with pytest.raises(TypeError, match=r"static argument 'n' is a traced value.*f.eval_shape"):
+        jax.eval_shape(f, W, X, n=3)  # jax.eval_shape traces keyword arguments too
+    for run in (
+        lambda: jax.jit(f)(W, X),
+        lambda: jax.grad(lambda w: f(w, X)["s"][0])(W),
+        lambda: jax.jvp(lambda w: f(w, X)["y"], (W,), (W,)),
+        lambda: jax.vmap(lambda x: f(W, x)["y"])(X[None]),
+    ):
+        with pytest.raises(TypeError, match="mm.jit must be the outermost transformation"):
+            run()
+    assert_close(f(W, X)["y"], 2 * reference(two_stage, mesh4x2, W, X))
 
 
 def test_negative_static_argnums(mesh4x2):

@@ -95,6 +95,21 @@ def check_special(name: str, arrays: Sequence[Any]) -> None:
     _dispatch.check_special(name, bufs)
 
 
+# --- single-device shardings (jax 0.12 deprecates the class's public name) ----------------
+
+from jax._src.sharding_impls import SingleDeviceSharding as _SingleDeviceSharding  # noqa: E402
+
+
+def single_device_sharding(device: Any) -> Any:
+    """A sharding placing a whole array on ``device``."""
+    return _SingleDeviceSharding(device)
+
+
+def is_single_device_sharding(sh: Any) -> bool:
+    """Whether ``sh`` is a ``SingleDeviceSharding`` (without the deprecated name)."""
+    return isinstance(sh, _SingleDeviceSharding)
+
+
 # --- name stacks -------------------------------------------------------------------------
 
 
@@ -272,7 +287,7 @@ def sub_byte_inputs_work() -> bool:
     outputs; plain ``jax.jit`` calls skip that check. Probed once, on a tiny program."""
     import jax.numpy as jnp
 
-    sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sh = single_device_sharding(jax.devices()[0])
     try:
         c = jax.jit(lambda a: a).lower(jax.ShapeDtypeStruct((2,), jnp.int4, sharding=sh))
         c.compile()(jax.device_put(np.zeros(2, jnp.int4), sh)).block_until_ready()
@@ -908,3 +923,39 @@ def distributed_state() -> Any:
     from jax._src import distributed
 
     return distributed.global_state
+
+
+# --- an mm.jit function called under another transformation --------------------------------
+
+_ABSTRACT_CALL: Any = None
+
+
+def abstract_call(
+    leaves: Sequence[Any], outs: Sequence[Any], name: str, error: Callable[[], Exception]
+) -> list[Any]:
+    """Bind an opaque ``mm_jit_call`` equation with the output types of ``outs``
+    (``jax.ShapeDtypeStruct``s): under a
+    tracing-only transformation (``jax.eval_shape``, ``jax.make_jaxpr``,
+    ``jax.jit(...).trace``) the outputs are the right shapes; anything that would run,
+    differentiate or batch it (lowering, ``grad``, ``vmap``) raises ``error()``."""
+    global _ABSTRACT_CALL
+    if _ABSTRACT_CALL is None:
+        from jax.interpreters import ad, batching, mlir
+
+        prim = jcore.Primitive("mm_jit_call")
+        prim.multiple_results = True
+        prim.def_abstract_eval(lambda *_avals, out_avals, name, error: list(out_avals))
+
+        def refuse(*_a: Any, error: Callable[[], Exception], **_kw: Any) -> Any:
+            raise error()
+
+        prim.def_impl(refuse)
+        ad.primitive_jvps[prim] = lambda _p, _t, *, error, **_kw: refuse(error=error)
+        batching.primitive_batchers[prim] = lambda _a, _d, *, error, **_kw: refuse(error=error)
+        mlir.register_lowering(prim, lambda _ctx, *_a, error, **_kw: refuse(error=error))
+        _ABSTRACT_CALL = prim
+    out_avals = tuple(
+        _core.ShapedArray(o.shape, o.dtype, weak_type=bool(getattr(o, "weak_type", False)))
+        for o in outs
+    )
+    return _ABSTRACT_CALL.bind(*leaves, out_avals=out_avals, name=name, error=error)

@@ -500,9 +500,39 @@ class MpmdFunction:
         if _compat.tracing():  # inside jax.jit / scan, even with concrete arguments
             if trace_state() is not None:  # inside another mm.jit: one program
                 return self._inline(args, kwargs)
-            raise traced_error()
+            return self._abstract_call(args, kwargs)
         compiled, flat = self._compiled_for(args, kwargs)
         return compiled.call_flat(flat)
+
+    def _abstract_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Called under another transformation: an opaque equation with this function's
+        output types, so tracing-only uses (``jax.eval_shape(f, ...)``,
+        ``jax.make_jaxpr``) work as with a ``jax.jit`` function; running it inside another
+        program, differentiating or batching it raises (mm.jit must be outermost)."""
+
+        def struct(x: Any) -> Any:
+            if isinstance(x, jax.core.Tracer):
+                aval = x.aval
+                return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+            return x
+
+        sig = self._signature
+        neg = {i + len(args) for i in sig.static_argnums if i < 0}
+        static = [(f"argument {i}", a) for i, a in enumerate(args) if i in sig.static_pos | neg]
+        static += [(f"argument {k!r}", v) for k, v in kwargs.items() if k in sig.static_names]
+        for what, v in static:
+            if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(v)):
+                raise TypeError(
+                    f"{_source_info(self.fun)}: static {what} is a traced value. "
+                    "jax.eval_shape traces every argument of a function that is not a jax.jit "
+                    "function: use f.eval_shape(...), which keeps static arguments static."
+                )
+        outs = self.eval_shape(*jax.tree.map(struct, args), **jax.tree.map(struct, kwargs))
+        call = sig.normalize(args, kwargs)
+        leaves = jax.tree.leaves((call.dyn_args, call.dyn_kwargs))
+        flat, tree = jax.tree.flatten(outs)
+        res = _compat.abstract_call(leaves, flat, _source_info(self.fun), traced_error)
+        return jax.tree.unflatten(tree, res)
 
     def _run_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fun(*args, **kwargs)`` as plain JAX (the reference), under this function's

@@ -299,7 +299,7 @@ def traced_error() -> TypeError:
         "mm.jit was called with traced values (inside jax.jit, jax.grad, jax.vmap, ...). "
         "mm.jit must be the outermost transformation: put the transformation inside, e.g. "
         "mm.jit(jax.grad(loss), mesh=mmesh) instead of jax.grad(mm.jit(loss, mesh=mmesh)). "
-        "For output shapes use f.eval_shape(...) (not jax.eval_shape(f, ...)), or "
+        "For output shapes use jax.eval_shape(f, ...) or f.eval_shape(...), or "
         "f.lower(...) for the plan."
     )
 
@@ -365,7 +365,7 @@ def placement_text(sh: Any) -> str:
         axes = ", ".join(f"{n}={k}" for n, k in sh.mesh.shape.items())
         ids = [int(d.id) for d in sh.mesh.devices.flat]
         return f"NamedSharding(devices {ids}{f' ({axes})' if axes else ''}, spec {sh.spec})"
-    if isinstance(sh, jax.sharding.SingleDeviceSharding):
+    if _compat.is_single_device_sharding(sh):
         return f"device {int(next(iter(sh.device_set)).id)}"
     return str(sh)
 

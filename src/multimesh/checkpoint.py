@@ -67,7 +67,7 @@ def _key_data_struct(x: Any) -> jax.ShapeDtypeStruct:
         sharding = jax.sharding.NamedSharding(
             sharding.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=sharding.memory_kind
         )
-    elif sharding is not None and not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    elif sharding is not None and not _compat.is_single_device_sharding(sharding):
         raise ValueError(
             f"restoring a PRNG key array into a {type(sharding).__name__} is not supported: "
             "give its target a NamedSharding or a single device"

@@ -52,6 +52,19 @@ _REDUCTIONS = ("sum", "mean", "stack")
 ACCUMULATE_SCOPE = "accumulate@mm"
 
 
+def _argnums(argnums: Any) -> tuple[int, ...]:
+    """``argnums`` as a tuple of ints (one int or a non-empty sequence of them)."""
+    ok = lambda i: isinstance(i, (int, np.integer)) and not isinstance(i, bool)  # noqa: E731
+    if ok(argnums):
+        return (int(argnums),)
+    if isinstance(argnums, (tuple, list)) and argnums and all(ok(i) for i in argnums):
+        return tuple(int(i) for i in argnums)
+    raise TypeError(
+        f"microbatch argnums must be an int or a non-empty sequence of ints (the positions "
+        f"of the batch arguments), got {argnums!r}."
+    )
+
+
 def _check_reduce(reduce: Any) -> None:
     for leaf in jax.tree.leaves(reduce):
         if leaf not in _REDUCTIONS:
@@ -122,7 +135,7 @@ def microbatch(
             f"{axis!r}; give arguments batched along other axes their own mm.microbatch, or "
             "move their batch axis first (jnp.moveaxis)."
         )
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    nums = _argnums(argnums)
     if isinstance(in_shardings, (tuple, list)) and len(in_shardings) != len(nums):
         raise ValueError(
             f"microbatch in_shardings has {len(in_shardings)} entries for argnums={nums}; "
@@ -141,6 +154,12 @@ def microbatch(
                 )
         pos = [i % len(args) for i in nums]
         first: tuple[str, int] | None = None  # every batch leaf has one batch size
+        if not any(jax.tree_util.tree_leaves(args[i]) for i in pos):
+            raise ValueError(
+                f"microbatch argnums={nums}: the batch arguments hold no arrays, so there is "
+                "nothing to split (fun would run on the whole batch once per microbatch); "
+                "give the positions of the batch arguments."
+            )
         for i in pos:
             for path, leaf in jax.tree_util.tree_leaves_with_path(args[i]):
                 shape = jnp.shape(leaf)

@@ -227,12 +227,14 @@ def resolve(name: str, stage: Any, mesh: Any) -> tuple[str, Mesh | None]:
                 "mesh=mmesh to mm.jit, or call it inside `with mmesh:`."
             )
         return f"{name}{MARKER}s{stage}", None  # transparent: a named scope only
-    if state is not None:  # outside mm.jit a task is transparent: virtual stage i is on
-        # submesh i % num_stages (an interleaved model's evaluation under `with mmesh:`)
-        limit = mmesh.num_stages
-        sched = _VIRTUAL.get()
-        if sched is not None:
-            limit = mmesh.num_stages * sched.chunks(mmesh.num_stages, 1 << 30)
+    sched = _VIRTUAL.get()
+    if state is not None and sched is not None:
+        # inside an interleaved loop: its virtual stages. Elsewhere under mm.jit (code
+        # before or after such a loop: initialisation, evaluation of the same model) the
+        # labelling pass checks once the whole program is traced, against the largest
+        # loop's virtual stages; outside mm.jit a task is transparent: virtual stage i is
+        # on submesh i % num_stages
+        limit = mmesh.num_stages * sched.chunks(mmesh.num_stages, 1 << 30)
         check_stage_range(name, stage, mmesh.num_stages, limit)
     return f"{name}{MARKER}s{stage}", mmesh.submesh(stage % mmesh.num_stages)
 
@@ -246,7 +248,8 @@ def check_stage_range(name: str, stage: int, num_stages: int, limit: int) -> Non
         if limit > num_stages
         else f"valid: 0..{num_stages - 1}; more stages than submeshes need an interleaved "
         "schedule with as many chunks per submesh (e.g. Interleaved1F1B() without num_chunks), "
-        f"and outside such a loop (init, evaluation) the submesh itself: stage % {num_stages}"
+        f"and in a program without such a loop (init, evaluation on their own) the submesh "
+        f"itself: stage % {num_stages}"
     )
     raise ValueError(
         f"task {name!r}: stage={stage} is out of range; the MultiMesh has "

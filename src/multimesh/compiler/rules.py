@@ -127,9 +127,9 @@ class Rules:
                         f"task_rules[{pat!r}] maps scope {scope!r} to stage {stage}, which is "
                         f"out of range (valid: 0..{limit - 1})."
                         + (
-                            " Virtual (interleaved) stages are valid inside an interleaved "
-                            "mm.microbatch loop only; elsewhere (init, evaluation) map them to "
-                            f"submeshes, e.g. stage % {limit}."
+                            " Virtual (interleaved) stages are valid in a program with an "
+                            "interleaved mm.microbatch loop only; in others (init, evaluation "
+                            f"on their own) map them to submeshes, e.g. stage % {limit}."
                             if stage >= limit > 0
                             else ""
                         )

@@ -179,7 +179,7 @@ def _named(x: Any) -> Any:
     """A one-device leaf (an optimizer's step count) with a ``NamedSharding``, as the
     step returns it: the same layout in and out, one program."""
     sh = x.sharding
-    if not isinstance(sh, jax.sharding.SingleDeviceSharding):
+    if not _compat.is_single_device_sharding(sh):
         return x
     (d,) = sh.device_set
     mesh = jax.sharding.Mesh(np.array([d]), ("device",))

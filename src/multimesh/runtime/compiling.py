@@ -380,7 +380,7 @@ def device_free_key(mesh: jax.sharding.Mesh, parts: Any) -> Hashable | None:
     def norm_one(x: Any) -> Any:
         if isinstance(x, jax.sharding.NamedSharding):
             return ("named", norm(x.mesh), x.spec, x.memory_kind)
-        if isinstance(x, jax.sharding.SingleDeviceSharding):
+        if _compat.is_single_device_sharding(x):
             return ("single", norm(next(iter(x.device_set))), x.memory_kind)
         if isinstance(x, jax.sharding.AbstractMesh):  # no devices
             return ("abstract", x)

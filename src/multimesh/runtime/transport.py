@@ -278,7 +278,7 @@ _WATCH = _Watch()
 
 
 def _single(device: Any) -> Any:
-    return jax.sharding.SingleDeviceSharding(device)
+    return _compat.single_device_sharding(device)
 
 
 def kv_client() -> Any:

@@ -155,6 +155,19 @@ def validate(
     for s, row in enumerate(acts):
         seen: set[Action] = set()
         for j, a in enumerate(row):
+            if a not in want[s] and not 0 <= a.stage < num_stages:
+                raise ValueError(
+                    f"schedule step {j} on submesh {s}: {a} names stage {a.stage}, but the "
+                    f"loop has {num_stages} stages (0..{num_stages - 1}: {num_submeshes} "
+                    f"submeshes x {num_chunks} chunk{'s' if num_chunks != 1 else ''}); was "
+                    "the order made for another number of stages?"
+                )
+            if a not in want[s] and not 0 <= a.microbatch < num_microbatches:
+                raise ValueError(
+                    f"schedule step {j} on submesh {s}: {a} names microbatch {a.microbatch}, "
+                    f"but the loop has {num_microbatches} (0..{num_microbatches - 1}); was the "
+                    "order made for another number of microbatches?"
+                )
             if a not in want[s]:
                 raise ValueError(
                     f"schedule step {j} on submesh {s}: {a} does not belong there (stage "
