@@ -428,6 +428,14 @@ def test_microbatch_argnums_checked(bad):
         mm.microbatch(lambda w, x: (w * x).sum(), 2, argnums=bad)
 
 
+@pytest.mark.parametrize("nums", [1, -1, np.int64(1), [1], (1,), range(1, 2), np.array([1])])
+def test_microbatch_argnums_forms(nums):
+    """Every form jax.grad takes for argnums works (range and NumPy arrays were refused
+    by the check's first version)."""
+    g = mm.microbatch(lambda w, x: (w * x).sum(), 2, argnums=nums)
+    assert_close(g(jnp.ones(4), jnp.arange(8.0).reshape(2, 4)), jnp.arange(8.0).sum())
+
+
 def test_microbatch_batch_arguments_without_arrays():
     g = mm.microbatch(lambda w, x: (w * x["a"]).sum() if x else w.sum(), 2, argnums=1)
     with pytest.raises(ValueError, match=r"argnums=\(1,\): the batch arguments hold no arrays"):

@@ -331,6 +331,14 @@ def test_virtual_stages_outside_the_interleaved_loop_of_the_same_step():
     assert_close(got, reference(step, mmesh, ws, x, y))
     assert [stage_of(w, mmesh) for w in got[3]] == [0, 1, 0, 1]
 
+    def beyond(ws, x, y):  # the loop uses virtual stages 0..3 (Interleaved1F1B() counts)
+        v, _ = g(ws, x, y)
+        with mm.task("far", stage=7):
+            return v * 2
+
+    with pytest.raises(ValueError, match=r"task 'far': stage=7 is out of range.*valid: 0..3"):
+        mm.jit(beyond, mesh=mmesh)(ws, x, y)
+
     g1 = mm.microbatch(jax.value_and_grad(mlp_loss), 2, argnums=(1, 2), schedule="1f1b")
 
     def too_far(ws, x, y):  # no interleaved loop: no virtual stages

@@ -296,6 +296,8 @@ def test_jax_eval_shape_of_an_mm_jit_function(mesh4x2):
         jax.eval_shape(f, W, X, n=3)  # jax.eval_shape traces keyword arguments too
     for run in (
         lambda: jax.jit(f)(W, X),
+        # an unused call is not dropped as dead code (it ran without its effects)
+        lambda: jax.jit(lambda w, x: (f(w, x), x + 1)[1])(W, X),
         lambda: jax.grad(lambda w: f(w, X)["s"][0])(W),
         lambda: jax.jvp(lambda w: f(w, X)["y"], (W,), (W,)),
         lambda: jax.vmap(lambda x: f(W, x)["y"])(X[None]),

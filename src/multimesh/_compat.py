@@ -953,6 +953,12 @@ def abstract_call(
         ad.primitive_jvps[prim] = lambda _p, _t, *, error, **_kw: refuse(error=error)
         batching.primitive_batchers[prim] = lambda _a, _d, *, error, **_kw: refuse(error=error)
         mlir.register_lowering(prim, lambda _ctx, *_a, error, **_kw: refuse(error=error))
+        from jax._src.interpreters import partial_eval as pe
+
+        # never dropped as dead code (its lowering is what raises: an unused call under
+        # jax.jit must not run silently without its effects). The rule's arguments
+        # differ between jax versions; the equation comes last in both.
+        pe.dce_rules[prim] = lambda *a: ([True] * len(a[-1].invars), a[-1])
         _ABSTRACT_CALL = prim
     out_avals = tuple(
         _core.ShapedArray(o.shape, o.dtype, weak_type=bool(getattr(o, "weak_type", False)))

@@ -57,8 +57,13 @@ def _argnums(argnums: Any) -> tuple[int, ...]:
     ok = lambda i: isinstance(i, (int, np.integer)) and not isinstance(i, bool)  # noqa: E731
     if ok(argnums):
         return (int(argnums),)
-    if isinstance(argnums, (tuple, list)) and argnums and all(ok(i) for i in argnums):
-        return tuple(int(i) for i in argnums)
+    if not isinstance(argnums, (str, bytes, dict)):
+        try:
+            nums = tuple(argnums)  # a tuple, list, range or NumPy array (as jax.grad takes)
+        except TypeError:
+            nums = ()
+        if nums and all(ok(i) for i in nums):
+            return tuple(int(i) for i in nums)
     raise TypeError(
         f"microbatch argnums must be an int or a non-empty sequence of ints (the positions "
         f"of the batch arguments), got {argnums!r}."

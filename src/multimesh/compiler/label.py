@@ -135,7 +135,25 @@ def label(
         if by_layer or t.index in used:
             reserve(t, t.name, holder.get(t.index, f"stage {t.index} (by-layer tasks)"))
 
-    def target_of(ref: TaskRef) -> int:
+    raw_mbs = [_microbatch(e) for e in prog.eqns]
+    # virtual stages outside the loops (the same model's code before or after them): as
+    # many as the interleaved loops use (Interleaved1F1B() without num_chunks has as
+    # many as its tasks name)
+    outside_limit = 0
+    if mmesh is not None:
+        S = mmesh.num_stages
+        outside_limit = S
+        if virtual_stages > 1:
+            used = [
+                r.stage
+                for r, mb in zip(tasks, raw_mbs)
+                if mb is not None and r is not None and r.mesh is None
+                and isinstance(r.stage, int)
+            ]
+            top = -(-(max(used, default=S - 1) + 1) // S) * S
+            outside_limit = max(S, min(S * virtual_stages, top))
+
+    def target_of(ref: TaskRef, in_loop: bool) -> int:
         if ref.mesh is None:
             if mmesh is None:
                 raise ValueError(
@@ -144,7 +162,10 @@ def label(
                 )
             # a task traced earlier (e.g. a cached nested jit) is checked here too
             check_stage_range(
-                ref.name, ref.stage, mmesh.num_stages, mmesh.num_stages * virtual_stages
+                ref.name,
+                ref.stage,
+                mmesh.num_stages,
+                mmesh.num_stages * virtual_stages if in_loop else outside_limit,
             )
             return ref.stage % mmesh.num_stages  # virtual stage -> submesh
         mesh: Mesh = ref.mesh
@@ -160,12 +181,12 @@ def label(
 
     stages: list[int | None] = []
     task_meshes: list[Mesh | None] = []
-    for ref in tasks:
+    for ref, mb in zip(tasks, raw_mbs):
         if ref is None:
             stages.append(None)
             task_meshes.append(None)
             continue
-        idx = target_of(ref)
+        idx = target_of(ref, mb is not None)
         stages.append(idx)
         task_meshes.append(ref.mesh if ref.mesh is not None else targets[idx].mesh)
     if not targets:
@@ -175,7 +196,7 @@ def label(
         import numpy as np
 
         targets.append(Target(0, Mesh(np.array([dev]), ("_mm",)), "default"))
-    mbs = _loop_order_fixes(prog, [_microbatch(e) for e in prog.eqns])
+    mbs = _loop_order_fixes(prog, raw_mbs)
     virtual = [r.stage if r is not None and r.mesh is None else s for r, s in zip(tasks, stages)]
     return Labels(
         tasks=tasks,

@@ -125,7 +125,11 @@ class Rules:
                 if not 0 <= stage < limit:
                     raise ValueError(
                         f"task_rules[{pat!r}] maps scope {scope!r} to stage {stage}, which is "
-                        f"out of range (valid: 0..{limit - 1})."
+                        + (
+                            "out of range (stages start at 0)."
+                            if stage < 0
+                            else f"out of range (valid: 0..{limit - 1})."
+                        )
                         + (
                             " Virtual (interleaved) stages are valid in a program with an "
                             "interleaved mm.microbatch loop only; in others (init, evaluation "
