@@ -317,6 +317,20 @@ def test_negative_static_argnums(mesh4x2):
     assert_close(g(X, 2.0, 4), X * 8)
     assert g._cache_size() == 2
 
+    # counted from the end of the call's positional arguments, as jax.jit does: with a
+    # defaulted last parameter, f(x, s, 3) makes the 3 static (it made `m` static)
+    def h(x, scale, n, m=1):
+        with mm.task("a", stage=0):
+            return x * scale * sum(range(n)) * m
+
+    g = mm.jit(h, mesh=mesh4x2, static_argnums=-1)
+    assert_close(g(X, 2.0, 3), X * 6)
+    assert_close(g(X, 2.0, 3), jax.jit(h, static_argnums=-1)(X, 2.0, 3))
+    with pytest.raises(jax.errors.TracerIntegerConversionError):  # n traced: as jax.jit
+        jax.jit(h, static_argnums=-1)(X, 2.0, 3, 2)
+    with pytest.raises(jax.errors.TracerIntegerConversionError):
+        g(X, 2.0, 3, 2)
+
 
 def test_constant_and_literal_outputs_are_fresh(mesh4x2):
     c = jnp.arange(3.0)

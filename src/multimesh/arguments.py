@@ -64,7 +64,7 @@ class Signature:
         self.varargs_name = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), "args")
         n = len(positional)
 
-        def resolve(nums: Sequence[int], what: str) -> tuple[int, ...]:
+        def resolve(nums: Sequence[int], what: str, from_call: bool = False) -> tuple[int, ...]:
             out = []
             for i in nums:
                 if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
@@ -76,11 +76,15 @@ class Signature:
                             f"mm.jit({what}={i}) is out of range for a function with {n} "
                             "positional parameters."
                         )
-                    i += n
+                    if not from_call:
+                        i += n
                 out.append(i)
             return tuple(out)
 
-        self.static_argnums = resolve(static_argnums, "static_argnums")
+        # a negative static argnum counts from the end of each call's positional
+        # arguments, as jax.jit's (f(a, b, 4) with static_argnums=-1 and a defaulted 4th
+        # parameter makes the 3rd static)
+        self.static_argnums = resolve(static_argnums, "static_argnums", from_call=True)
         self.donate_argnums = resolve(donate_argnums, "donate_argnums")
         self.static_argnames = tuple(static_argnames)
         self.donate_argnames = tuple(donate_argnames)
