@@ -118,6 +118,23 @@ def test_rule_only_under_explicit_tasks_says_so(mesh4x2):
     assert stage_of(out, mesh4x2) == 2
 
 
+def test_explicit_task_in_a_scan_body_wins_over_a_rule(mesh4x2):
+    """Inside a scan body too, an explicit task takes precedence over a rule matching its
+    scopes (it was refused as two submeshes' code in one scan body)."""
+
+    def f(x):
+        def body(c, _):
+            with mm.task("t", stage=1), jax.named_scope("enc"):
+                return jnp.sin(c), None
+
+        return jax.lax.scan(body, x, None, length=2)[0]
+
+    with pytest.warns(UserWarning, match=r"task_rules\['enc'\] matched only scopes inside"):
+        out = mm.jit(f, mesh=mesh4x2, task_rules={"enc": 2})(jnp.ones(4))
+    assert stage_of(out, mesh4x2) == 1
+    assert_close(out, jnp.sin(jnp.sin(jnp.ones(4))))
+
+
 def test_precompiled_regex_rules(mesh4x2):
     """``re.compile`` keys work as their pattern strings do (they crashed on ``in``)."""
 

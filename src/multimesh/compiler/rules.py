@@ -166,6 +166,10 @@ class Rules:
         for sub in _sub_jaxprs(params):
             for e in sub.eqns:
                 scopes = outer + _compat.scope_names(e.source_info.name_stack)
+                task = next((sc for sc in reversed(scopes) if MARKER in sc), None)
+                if task is not None:  # an explicit task's code (in a loop body): it wins
+                    self.overridden(scopes, task.split(MARKER)[0])
+                    continue
                 ref = self.match(scopes, limit)
                 if ref is not None:
                     found.add(ref)
