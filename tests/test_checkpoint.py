@@ -177,6 +177,29 @@ def test_killed_during_save_restores_previous_step(tmp_path):
 
 
 
+def test_key_on_a_one_device_submesh_restores_usable(tmp_path):
+    """A typed key on a one-device submesh (an NNX model's dropout Rngs on a (4, 1)
+    mesh) restored as ``P(None,)`` on jax 0.10, which a fresh mm.jit step refused ("only
+    valid for values of rank at least 1"); such a key made by ``wrap_key_data`` is taken
+    too, as jax.jit takes it."""
+    mmesh = mm.make_mesh((4, 1), ("stage", "data"))
+    sh = NamedSharding(mmesh.submesh(1), P())
+    state = {"key": jax.device_put(jax.random.key(3), sh), "w": jax.device_put(jnp.ones(2), sh)}
+    mm.checkpoint.save(tmp_path / "c", state)
+    got = mm.checkpoint.restore(tmp_path / "c", state)
+    assert got["key"].sharding.spec == P()
+
+    def f(s):
+        with mm.task("a", stage=1):
+            return s["w"] * jax.random.normal(s["key"], (2,))
+
+    want = jax.jit(f)(state)
+    np.testing.assert_array_equal(mm.jit(f, mesh=mmesh)(got), want)
+    data = jax.device_put(jax.random.key_data(state["key"]), NamedSharding(mmesh.submesh(1), P(None)))
+    wrapped = {"key": jax.random.wrap_key_data(data), "w": state["w"]}
+    np.testing.assert_array_equal(mm.jit(f, mesh=mmesh)(wrapped), want)
+
+
 def test_keys_weak_types_and_strings_round_trip(mesh4x2, tmp_path):
     """Typed PRNG keys (saved as their key data) restore as keys on the target's
     sharding, weakly typed scalars stay weak, strings come back (each failed before)."""

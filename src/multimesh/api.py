@@ -37,6 +37,7 @@ from multimesh.arguments import (
     check_spec_rank,
     check_spec_value,
     deleted_error,
+    fit_key_shardings,
     in_sharding_leaves,
     leaf_key,
     resolved_structs,
@@ -446,6 +447,7 @@ class MpmdFunction:
     def _prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any], structs: bool = True):
         call = self._signature.normalize(args, kwargs)
         flat, in_tree = self._flatten(call)
+        fit_key_shardings(flat)
         keys = self._keys(call, flat, structs)
         # JAX's settings too (x64, dtype promotion, threefry_partitionable): as jax.jit
         key = (in_tree, call.static, self._mesh_key(), tuple(keys), _compat.trace_context())

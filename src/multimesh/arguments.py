@@ -228,6 +228,24 @@ def _aval_of(x: Any) -> Any:
 _SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64, complex: np.complex128}
 
 
+def fit_key_shardings(flat: list[Any]) -> None:
+    """Typed PRNG key arguments whose sharding has trailing ``None`` entries beyond their
+    rank, re-labelled in place without them (the same buffers): jax 0.10's
+    ``wrap_key_data`` of key data sharded ``P(None)`` on a one-device mesh gives the key
+    ``P(None,)``, which ``jax.jit`` takes but a program's typed input refuses."""
+    for i, x in enumerate(flat):
+        if type(x) is _ARRAY or not isinstance(x, jax.Array) or not is_extended(x.dtype):
+            continue
+        sh = x.sharding
+        if not isinstance(sh, NamedSharding) or len(sh.spec) <= x.ndim:
+            continue
+        spec = tuple(sh.spec)
+        if all(e is None for e in spec[x.ndim :]) and not x.is_deleted():
+            fit = NamedSharding(sh.mesh, PartitionSpec(*spec[: x.ndim]), memory_kind=sh.memory_kind)
+            shards = [a.data for a in x.addressable_shards]
+            flat[i] = jax.make_array_from_single_device_arrays(x.shape, fit, shards)
+
+
 def leaf_key(x: Any, structs: bool = True) -> tuple[Any, ...]:
     """The cache-key part of one flat argument: (shape, dtype, weak type, committed
     sharding or None). Traced values and deleted (donated) arrays are errors, and so are

@@ -101,11 +101,26 @@ def _as_target(got: Any, target: Any) -> Any:
         if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
             return g
         if _is_key(x):
-            if _is_key(g):  # Orbax wrapped it itself
-                return g
-            if isinstance(g, np.ndarray):
-                g = jax.numpy.asarray(g)
-            return jax.random.wrap_key_data(g, impl=_compat.key_impl(x.dtype))
+            k = g  # Orbax may have wrapped it itself
+            if not _is_key(g):
+                if isinstance(g, np.ndarray):
+                    g = jax.numpy.asarray(g)
+                k = jax.random.wrap_key_data(g, impl=_compat.key_impl(x.dtype))
+            sh = getattr(x, "sharding", None)
+            if (
+                isinstance(sh, jax.sharding.Sharding)
+                and isinstance(k, jax.Array)
+                and k.sharding != sh
+            ):
+                # the target's own layout: jax 0.10's wrap_key_data of key data sharded
+                # (..., None) on a one-device mesh keeps that rank-(n+1) spec on the
+                # rank-n key, which programs then refuse (the same buffers, re-labelled)
+                if k.sharding.device_set == sh.device_set:
+                    shards = [a.data for a in k.addressable_shards]
+                    k = jax.make_array_from_single_device_arrays(k.shape, sh, shards)
+                else:
+                    k = jax.device_put(k, sh)
+            return k
         if isinstance(g, jax.Array) and getattr(x, "weak_type", False):
             return _compat.with_weak_type(g, True)
         return g
