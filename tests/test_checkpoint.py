@@ -148,6 +148,24 @@ def test_mismatched_checkpoints_are_clear_errors(tmp_path):
         mm.checkpoint.restore(tmp_path / "c", state)
 
 
+def test_a_damaged_latest_step_names_the_earlier_ones(tmp_path):
+    """A manager's latest step whose array data is gone: the error says which earlier
+    steps are complete and how to restore one."""
+    state = {f"w{i}": jnp.ones((4, 4)) * i for i in range(3)}
+    with mm.checkpoint.CheckpointManager(tmp_path / "ck") as man:
+        man.save(1, state)
+        man.save(2, state)
+    for p in (tmp_path / "ck" / "2").rglob("*"):
+        if p.is_file() and p.parent.name == "d":
+            p.unlink()
+    man = mm.checkpoint.CheckpointManager(tmp_path / "ck")
+    with pytest.raises(ValueError, match=r"Earlier complete steps: \[1\]; restore one with "
+                       r"restore\(step=1, target=...\)"):
+        man.restore(target=state)
+    got = man.restore(step=1, target=state)
+    np.testing.assert_array_equal(got["w2"], state["w2"])
+
+
 def test_killed_during_save_restores_previous_step(tmp_path):
     script = textwrap.dedent(
         f"""

@@ -674,15 +674,29 @@ class CheckpointManager:
                 f"(complete steps: {self.all_steps()})"
             )
         where = f"{self.directory} step {step}"
+        earlier = [s for s in self.all_steps() if s < _step_number(step)]
+        hint = (
+            f" Earlier complete steps: {earlier}; restore one with restore(step={earlier[-1]}, "
+            "target=...)."
+            if earlier
+            else ""
+        )
         try:
             meta = self._m.item_metadata(step)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"checkpoint {where} is unreadable or corrupt: {e}") from e
-        check_compatible(meta, target, where, self.directory / str(step) / "default")
+            raise ValueError(f"checkpoint {where} is unreadable or corrupt: {e}.{hint}") from e
+        try:
+            check_compatible(meta, target, where, self.directory / str(step) / "default")
+        except ValueError as e:
+            if "unreadable or corrupt" in str(e) and hint:
+                raise ValueError(f"{e}{hint}") from e
+            raise
         try:
             return _restore(lambda args: self._m.restore(step, args=args), target)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"checkpoint {where} could not be restored into the target{_WHY}: {e}") from e
+            raise ValueError(
+                f"checkpoint {where} could not be restored into the target{_WHY}: {e}.{hint}"
+            ) from e
 
     def wait_until_finished(self) -> None:
         """Block until pending asynchronous saves are complete."""
