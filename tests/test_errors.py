@@ -238,6 +238,11 @@ def test_explicit_axes():
     with pytest.raises(ValueError, match="Explicit"):
         with mm.task("t", mesh=Mesh(devs[0], ("d",), axis_types=(AxisType.Explicit,))):
             pass
+    # Manual axes (shard_map's) were accepted, then JAX's "not allowed when using
+    # jax.set_mesh" at the first call
+    manual = Mesh(devs, ("stage", "data"), axis_types=(AxisType.Manual,) * 2)
+    with pytest.raises(ValueError, match="does not support Manual mesh axes"):
+        mm.MultiMesh(manual)
 
 
 def test_bad_multimesh_args():

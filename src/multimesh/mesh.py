@@ -47,9 +47,16 @@ class MultiMesh:
         types = getattr(mesh, "axis_types", None)
         if types is not None and any(t == AxisType.Explicit for t in types):
             raise ValueError(
-                "MultiMesh does not support Explicit mesh axes (jax.make_mesh's default in "
-                "JAX 0.10); build the mesh with mm.make_mesh(...) or pass "
+                "MultiMesh does not support Explicit mesh axes (jax.make_mesh's default); "
+                "build the mesh with mm.make_mesh(...) or pass "
                 "axis_types=(jax.sharding.AxisType.Auto,) * ndim."
+            )
+        if types is not None and any(t == AxisType.Manual for t in types):
+            raise ValueError(
+                "MultiMesh does not support Manual mesh axes (those are shard_map's, inside "
+                "a program); build the mesh with mm.make_mesh(...) or pass "
+                "axis_types=(jax.sharding.AxisType.Auto,) * ndim, and use shard_map inside "
+                "a task for manual collectives."
             )
         ids = [int(d.id) for d in mesh.devices.flat]
         if len(set(ids)) != len(ids):
