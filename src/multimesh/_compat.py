@@ -965,3 +965,23 @@ def abstract_call(
         for o in outs
     )
     return _ABSTRACT_CALL.bind(*leaves, out_avals=out_avals, name=name, error=error)
+
+
+@functools.cache
+def negative_static_argnums_from_call() -> bool:
+    """Whether ``jax.jit`` counts a negative ``static_argnums`` from the end of each
+    call's positional arguments (jax 0.10) or of the function's signature (jax 0.12):
+    ``f(a, b=0)`` with ``static_argnums=-1`` called as ``f(1)``, asked once."""
+    import jax.numpy as jnp
+
+    traced: list[bool] = []
+
+    def f(a: Any, b: Any = 0) -> Any:
+        traced.append(isinstance(a, jax.core.Tracer))
+        return jnp.zeros(())
+
+    try:
+        jax.jit(f, static_argnums=-1).trace(1)
+    except Exception:  # noqa: BLE001  (a context that refuses tracing: the newer rule)
+        return False
+    return bool(traced) and not traced[0]

@@ -81,10 +81,15 @@ class Signature:
                 out.append(i)
             return tuple(out)
 
-        # a negative static argnum counts from the end of each call's positional
-        # arguments, as jax.jit's (f(a, b, 4) with static_argnums=-1 and a defaulted 4th
-        # parameter makes the 3rd static)
-        self.static_argnums = resolve(static_argnums, "static_argnums", from_call=True)
+        # a negative static argnum counts as jax.jit's does: from the end of each call's
+        # positional arguments on jax 0.10 (f(a, b, 4) with static_argnums=-1 and a
+        # defaulted 4th parameter makes the 3rd static), of the signature on jax 0.12
+        negative = any(isinstance(i, (int, np.integer)) and i < 0 for i in static_argnums)
+        self.static_argnums = resolve(
+            static_argnums,
+            "static_argnums",
+            negative and _compat.negative_static_argnums_from_call(),
+        )
         self.donate_argnums = resolve(donate_argnums, "donate_argnums")
         self.static_argnames = tuple(static_argnames)
         self.donate_argnames = tuple(donate_argnames)
@@ -144,6 +149,13 @@ class Signature:
 
     def normalize(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call:
         nargs = len(args)
+        if self._neg_static and min(self._neg_static) < -nargs:
+            raise ValueError(
+                f"mm.jit(static_argnums={min(self._neg_static)}) counts from the end of the "
+                f"call's positional arguments, but this call passes {nargs} (as jax.jit, "
+                "negative indices must be >= -len(args)); pass the static argument "
+                "positionally, or name it in static_argnames."
+            )
         static_pos = self.static_pos | {i + nargs for i in self._neg_static}
         statics = tuple((i, args[i]) for i in sorted(static_pos) if 0 <= i < nargs)
         skw = tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_names))
@@ -229,21 +241,31 @@ _SCALAR_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64, complex: np.
 
 
 def fit_key_shardings(flat: list[Any]) -> None:
-    """Typed PRNG key arguments whose sharding has trailing ``None`` entries beyond their
-    rank, re-labelled in place without them (the same buffers): jax 0.10's
+    """Typed PRNG key arguments whose sharding has entries beyond their rank that split
+    nothing (``None``, size-1 axes), re-labelled in place without them (the same
+    buffers): jax 0.10's
     ``wrap_key_data`` of key data sharded ``P(None)`` on a one-device mesh gives the key
     ``P(None,)``, which ``jax.jit`` takes but a program's typed input refuses."""
+    done: dict[int, Any] = {}  # one array passed twice stays one (the donation checks)
     for i, x in enumerate(flat):
         if type(x) is _ARRAY or not isinstance(x, jax.Array) or not is_extended(x.dtype):
+            continue
+        if id(x) in done:
+            flat[i] = done[id(x)]
             continue
         sh = x.sharding
         if not isinstance(sh, NamedSharding) or len(sh.spec) <= x.ndim:
             continue
         spec = tuple(sh.spec)
-        if all(e is None for e in spec[x.ndim :]) and not x.is_deleted():
+        sizes = dict(sh.mesh.shape)
+        unit = all(  # entries past the rank that split nothing: None or size-1 axes
+            e is None or all(sizes.get(a, 0) == 1 for a in ((e,) if isinstance(e, str) else e))
+            for e in spec[x.ndim :]
+        )
+        if unit and not x.is_deleted():
             fit = NamedSharding(sh.mesh, PartitionSpec(*spec[: x.ndim]), memory_kind=sh.memory_kind)
             shards = [a.data for a in x.addressable_shards]
-            flat[i] = jax.make_array_from_single_device_arrays(x.shape, fit, shards)
+            flat[i] = done[id(x)] = jax.make_array_from_single_device_arrays(x.shape, fit, shards)
 
 
 def leaf_key(x: Any, structs: bool = True) -> tuple[Any, ...]:

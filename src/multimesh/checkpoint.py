@@ -675,27 +675,37 @@ class CheckpointManager:
             )
         where = f"{self.directory} step {step}"
         earlier = [s for s in self.all_steps() if s < _step_number(step)]
-        hint = (
-            f" Earlier complete steps: {earlier}; restore one with restore(step={earlier[-1]}, "
-            "target=...)."
-            if earlier
-            else ""
-        )
+
+        def hint(damaged: bool) -> str:  # the earlier steps, for a damaged one
+            if not earlier:
+                return ""
+            how = f"restore one with restore(step={earlier[-1]}, target=...)"
+            if damaged:
+                return f" Earlier complete steps: {earlier}; {how}."
+            return f" If this step is damaged, earlier complete steps: {earlier}; {how}."
+
+        def sentence(e: Any) -> str:
+            text = str(e).rstrip()
+            return text if text.endswith((".", "!", "?")) else text + "."
+
         try:
             meta = self._m.item_metadata(step)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"checkpoint {where} is unreadable or corrupt: {e}.{hint}") from e
+            raise ValueError(
+                sentence(f"checkpoint {where} is unreadable or corrupt: {e}") + hint(True)
+            ) from e
         try:
             check_compatible(meta, target, where, self.directory / str(step) / "default")
         except ValueError as e:
-            if "unreadable or corrupt" in str(e) and hint:
-                raise ValueError(f"{e}{hint}") from e
+            if "unreadable or corrupt" in str(e) and earlier:
+                raise ValueError(sentence(e) + hint(True)) from e
             raise
         try:
             return _restore(lambda args: self._m.restore(step, args=args), target)
         except Exception as e:  # noqa: BLE001
             raise ValueError(
-                f"checkpoint {where} could not be restored into the target{_WHY}: {e}.{hint}"
+                sentence(f"checkpoint {where} could not be restored into the target{_WHY}: {e}")
+                + hint(False)
             ) from e
 
     def wait_until_finished(self) -> None:
