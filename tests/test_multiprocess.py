@@ -271,6 +271,17 @@ def test_launcher_help_and_errors():
     assert proc.returncode == 0 and "--devices-per-process" in proc.stdout
     proc = run([sys.executable, "-m", "multimesh.launch", "--nproc", "0", "x.py"])
     assert proc.returncode != 0 and "--nproc must be at least 1" in proc.stderr
+    # one-line usage errors up front (were tracebacks from Popen or from every rank)
+    for flags, msg in (
+        (["--python", "/nonexistent/python"], "--python /nonexistent/python: not found"),
+        (["--python", "/etc/passwd"], "not an executable"),
+        (["--coordinator", "nonsense"], "--coordinator 'nonsense': give HOST:PORT"),
+        (["--coordinator", "127.0.0.1:99999"], "give HOST:PORT"),
+        (["--heartbeat-timeout", "-5"], "--heartbeat-timeout must be at least 1"),
+    ):
+        proc = run([sys.executable, "-m", "multimesh.launch", "--nproc", "2", *flags, "x.py"])
+        assert proc.returncode == 2 and msg in proc.stderr, (flags, proc.stderr)
+        assert "Traceback" not in proc.stderr
 
 
 def test_sigterm_to_the_launcher_stops_everything(tmp_path):

@@ -374,6 +374,14 @@ def test_checkpoint_flags_need_a_directory(capsys):
         assert "needs --checkpoint-dir" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--metrics", "--dump"])
+def test_empty_output_paths_are_usage_errors(flag, capsys):
+    """An empty --metrics/--dump was taken as not given: nothing written, no word."""
+    with pytest.raises(SystemExit):
+        cli.main([*SMALL, flag, ""])
+    assert f"{flag} needs a path" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(
     any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")),
     reason="a CUDA plugin is installed",

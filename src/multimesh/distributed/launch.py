@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -111,6 +112,15 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         p.error("--nproc must be at least 1")
     if ns.devices_per_process is not None and ns.devices_per_process < 1:
         p.error("--devices-per-process must be at least 1")
+    if ns.heartbeat_timeout is not None and ns.heartbeat_timeout < 1:
+        p.error("--heartbeat-timeout must be at least 1 (seconds)")
+    if ns.coordinator is not None:
+        host, sep, port = ns.coordinator.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            p.error(f"--coordinator {ns.coordinator!r}: give HOST:PORT (e.g. 127.0.0.1:1234)")
+    exe = shutil.which(ns.python)
+    if exe is None or not os.access(exe, os.X_OK) or os.path.isdir(exe):
+        p.error(f"--python {ns.python}: not found, or not an executable")
     return ns
 
 

@@ -302,6 +302,9 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
             os.makedirs(ns.checkpoint_dir, exist_ok=True)
         except OSError as e:
             p.error(f"--checkpoint-dir {ns.checkpoint_dir}: cannot create it ({e.strerror})")
+    for flag, path in (("--metrics", ns.metrics), ("--dump", ns.dump)):
+        if path is not None and not path.strip():
+            p.error(f"{flag} needs a path (got an empty one)")
     if ns.metrics is not None and os.path.isdir(ns.metrics):
         p.error(f"--metrics {ns.metrics} is a directory; give a file name")
     if ns.dump is not None and os.path.exists(ns.dump) and not os.path.isdir(ns.dump):
