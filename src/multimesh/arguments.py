@@ -264,8 +264,14 @@ def fit_key_shardings(flat: list[Any]) -> None:
         )
         if unit and not x.is_deleted():
             fit = NamedSharding(sh.mesh, PartitionSpec(*spec[: x.ndim]), memory_kind=sh.memory_kind)
-            shards = [a.data for a in x.addressable_shards]
-            flat[i] = done[id(x)] = jax.make_array_from_single_device_arrays(x.shape, fit, shards)
+            flat[i] = done[id(x)] = relabeled(x, fit)
+
+
+def relabeled(x: jax.Array, sh: Any) -> jax.Array:
+    """``x``'s buffers as an array with sharding ``sh`` (the same devices and pieces):
+    no copy, unlike ``jax.device_put``, which keeps an equivalent sharding as it is."""
+    shards = [a.data for a in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays(x.shape, sh, shards)
 
 
 def leaf_key(x: Any, structs: bool = True) -> tuple[Any, ...]:

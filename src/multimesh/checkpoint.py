@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from multimesh import _compat
+from multimesh.arguments import relabeled
 from multimesh.runtime import crossproc
 
 _compat.register_exclusion(__file__)
@@ -116,8 +117,7 @@ def _as_target(got: Any, target: Any) -> Any:
                 # (..., None) on a one-device mesh keeps that rank-(n+1) spec on the
                 # rank-n key, which programs then refuse (the same buffers, re-labelled)
                 if k.sharding.device_set == sh.device_set:
-                    shards = [a.data for a in k.addressable_shards]
-                    k = jax.make_array_from_single_device_arrays(k.shape, sh, shards)
+                    k = relabeled(k, sh)
                 else:
                     k = jax.device_put(k, sh)
             return k

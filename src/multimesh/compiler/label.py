@@ -110,11 +110,11 @@ def label(
     # the MultiMesh's submeshes that stage= tasks use reserve their devices; an unused
     # one leaves them to mesh= tasks (on part of it, or across two)
     by_layer = any(r is not None and r.mesh is None and r.stage is None for r in tasks)
-    used = {
-        r.stage % len(targets)
-        for r in tasks
-        if targets and r is not None and r.mesh is None and isinstance(r.stage, int)
-    }
+    # the submeshes stage= tasks use, each with its first task (an overlap error names it)
+    holder: dict[int, str] = {}
+    for r in tasks:
+        if targets and r is not None and r.mesh is None and isinstance(r.stage, int):
+            holder.setdefault(r.stage % len(targets), f"task {r.name!r} (stage {r.stage})")
 
     def reserve(t: Target, name: str, label: str | None = None) -> None:
         for d in t.device_ids:
@@ -126,13 +126,8 @@ def label(
                 )
             owner[d] = (t.index, label or f"task {name!r}")
 
-    # who holds each stage's submesh, as an overlap error names it: its first task
-    holder: dict[int, str] = {}
-    for r in tasks:
-        if targets and r is not None and r.mesh is None and isinstance(r.stage, int):
-            holder.setdefault(r.stage % len(targets), f"task {r.name!r} (stage {r.stage})")
     for t in targets:
-        if by_layer or t.index in used:
+        if by_layer or t.index in holder:
             reserve(t, t.name, holder.get(t.index, f"stage {t.index} (by-layer tasks)"))
 
     raw_mbs = [_microbatch(e) for e in prog.eqns]
@@ -144,13 +139,13 @@ def label(
         S = mmesh.num_stages
         outside_limit = S
         if virtual_stages > 1:
-            used = [
+            in_loops = [
                 r.stage
                 for r, mb in zip(tasks, raw_mbs)
                 if mb is not None and r is not None and r.mesh is None
                 and isinstance(r.stage, int)
             ]
-            top = -(-(max(used, default=S - 1) + 1) // S) * S
+            top = -(-(max(in_loops, default=S - 1) + 1) // S) * S
             outside_limit = max(S, min(S * virtual_stages, top))
 
     def target_of(ref: TaskRef, in_loop: bool) -> int:
