@@ -117,9 +117,7 @@ def test_two_processes_match_one(baseline, tmp_path):
     # each process compiled its own fragments only (not the other's: known layouts)
     assert proc.stdout.count("compiled own fragments, skipped") == 2, proc.stdout[-2000:]
     # a data-parallel pipeline (layouts known only after compiling) on 2 compile threads
-    assert proc.stdout.count("sharded pipeline ok, compiled on 2 threads") == 2, proc.stdout[
-        -2000:
-    ]
+    assert proc.stdout.count("sharded pipeline ok, compiled on 2 threads") == 2, proc.stdout[-2000:]
 
 
 def test_processes_that_plan_differently_get_a_clear_error(tmp_path):
@@ -156,6 +154,29 @@ def test_unsupported_layout_is_a_clear_error(tmp_path):
         -3000:
     ]
     assert "multimesh.launch: rank" in proc.stderr
+
+
+def test_check_layout_before_any_call(monkeypatch):
+    """``mm.distributed.check_layout`` raises the layout error up front (a
+    ``LayoutError``, a ``ValueError``), for all submeshes or those given; a no-op in one
+    process."""
+    import multimesh as mm
+    from multimesh.runtime import crossproc
+
+    mmesh = mm.make_mesh((2, 4), ("stage", "data"))
+    mm.distributed.check_layout(mmesh)  # one process: nothing to check
+    ids = [int(d.id) for d in mmesh.devices]
+    # process 0 holds 3 devices, process 1 five: stage 0 is split 3 + 1
+    owner = {i: (0 if k < 3 else 1) for k, i in enumerate(ids)}
+    monkeypatch.setattr(crossproc, "locality", lambda: crossproc.Locality(0, owner))
+    with pytest.raises(mm.distributed.LayoutError, match=r"submesh 'stage0' .* uneven device"):
+        mm.distributed.check_layout(mmesh)
+    with pytest.raises(ValueError, match="unsupported multi-process layout"):
+        mm.distributed.check_layout(mmesh, stages=[0])
+    mm.distributed.check_layout(mmesh, stages=[1])  # stage 1 is process 1's alone
+    even = {i: k // 4 for k, i in enumerate(ids)}
+    monkeypatch.setattr(crossproc, "locality", lambda: crossproc.Locality(0, even))
+    mm.distributed.check_layout(mmesh)
 
 
 def test_a_process_that_never_plans_is_a_clear_error(tmp_path):
@@ -321,6 +342,28 @@ def test_sigterm_to_the_launcher_stops_everything(tmp_path):
             os.kill(p, signal.SIGKILL)
 
 
+def test_ctrl_c_on_the_launcher_is_reported_as_such(tmp_path):
+    """Ctrl-C stops every rank, exits 130 and says so; it blamed rank 0 ("killed by
+    signal 2"), whose death the launcher itself had caused."""
+    script = tmp_path / "wait.py"
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(120)\n")
+    cmd = [sys.executable, "-m", "multimesh.launch", "--nproc", "2", str(script)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env()
+    )
+    try:
+        for _ in range(2):  # both ranks started
+            assert "ready" in proc.stdout.readline()
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "SIGINT received; forwarded it and stopped all 2 process(es)" in err
+    assert "killed by signal" not in err
+
+
 @pytest.mark.parametrize("layout", [(1, 8), (2, 4)], ids=["1x8", "2x4"])
 def test_checkpoint_save_then_resume(layout, tmp_path):
     """Save each step on N processes, restore step 2 in a new run (possibly another
@@ -412,15 +455,25 @@ def test_rank_0_failing_is_named_not_the_rank_aborted_after_it(tmp_path):
         "time.sleep(60)\n"
     )
     proc = run(
-        [sys.executable, "-m", "multimesh.launch", "--nproc", "2", "--devices-per-process",
-         "1", str(script)],
+        [
+            sys.executable,
+            "-m",
+            "multimesh.launch",
+            "--nproc",
+            "2",
+            "--devices-per-process",
+            "1",
+            str(script),
+        ],
         timeout=120,
     )
     assert proc.returncode != 0
     assert "multimesh.launch: rank 0 exited with code 1" in proc.stderr, output_tail(proc)
 
 
-@pytest.mark.parametrize("reply", [b"", b'{"index": [[[0, 4]]], "dtype": "<f4", "sizes": [16]}\n\0\0'])
+@pytest.mark.parametrize(
+    "reply", [b"", b'{"index": [[[0, 4]]], "dtype": "<f4", "sizes": [16]}\n\0\0']
+)
 def test_to_host_names_a_peer_that_dies_mid_reply(monkeypatch, reply):
     """A peer exiting while it answers (no reply, or part of a piece): the error names
     it (was a reshape error of 0 bytes, or a bare ConnectionResetError)."""

@@ -271,6 +271,34 @@ def test_under_the_launcher_equals_one_process(tmp_path):
     assert json.loads(one.read_text())["losses"] == json.loads(two.read_text())["losses"]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "per, flags, message",
+    [
+        (2, ["--pp", "4", "--dp", "2"], "there are 4 devices (on 2 processes: multimesh.launch"),
+        (2, ["--cpus", "4"], "--cpus does not apply to a multi-process run"),
+        (
+            3,
+            ["--pp", "3", "--dp", "2", "--batch-size", "12"],
+            "--pp 3 x --dp 2 x --fsdp 1 x --tp 1: unsupported multi-process layout: submesh "
+            "'stage1'",
+        ),
+    ],
+    ids=["device-count", "cpus", "split-stage"],
+)
+def test_flag_errors_under_the_launcher(per, flags, message):
+    """Under the launcher the device-count hint names the launcher's flags (it named
+    --dp/--cpus, which do not apply there), --cpus is refused (it was ignored), and a
+    layout whose processes split a stage is a one-line usage error (it was a traceback)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_FLAGS", "MULTIMESH_"))}
+    cmd = [sys.executable, "-m", "multimesh.launch", "--nproc", "2", "--devices-per-process"]
+    cmd += [str(per), "-m", "multimesh.run", *flags, "--num-steps", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert message in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "--cpus)" not in proc.stderr
+
+
 def _cluster_env(kind: str, rank: int, nproc: int, job: int) -> dict[str, str]:
     """What mpirun (Open MPI) or srun (SLURM) put in each task's environment, for one
     host (the coordinator port JAX derives from the job id)."""

@@ -14,8 +14,10 @@ devices; values move between processes through a transport chosen per backend.
 """
 
 from multimesh.distributed._host import to_host as to_host
+from multimesh.distributed._init import LayoutError as LayoutError
+from multimesh.distributed._init import check_layout as check_layout
 from multimesh.distributed._init import initialize as initialize
 from multimesh.distributed._init import is_multiprocess as is_multiprocess
 from multimesh.distributed._init import process_map as process_map
 
-__all__ = ["initialize", "is_multiprocess", "process_map", "to_host"]
+__all__ = ["LayoutError", "check_layout", "initialize", "is_multiprocess", "process_map", "to_host"]

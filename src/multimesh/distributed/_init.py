@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from multimesh import _compat
+from multimesh.runtime.crossproc import LayoutError as LayoutError
 
 _compat.register_exclusion(__file__)
 
@@ -124,3 +125,21 @@ def process_map(mmesh: Any = None) -> str:
             row += f", stages {stages}"
         rows.append(row)
     return "; ".join(rows)
+
+
+def check_layout(mmesh: Any, stages: Sequence[int] | None = None) -> None:
+    """Raise a clear ``mm.distributed.LayoutError`` (a ``ValueError``) now if the processes' devices split ``mmesh``'s
+    submeshes (all, or ``stages``) in a way multi-process runs do not support; ``mm.jit``
+    checks the submeshes a program uses at its first call. Supported: a process holds
+    whole submeshes, or a submesh is split evenly over processes that hold no other
+    submesh's devices. A no-op in a single process."""
+    import types
+
+    from multimesh.runtime import crossproc
+
+    loc = crossproc.locality()
+    if loc is None:
+        return
+    which = range(mmesh.num_stages) if stages is None else stages
+    targets = [types.SimpleNamespace(name=f"stage{s}", mesh=mmesh.submesh(s)) for s in which]
+    crossproc.check_layout(loc, targets)

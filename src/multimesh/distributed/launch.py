@@ -188,9 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         procs.append(proc)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(
-                target=_pump, args=(stream, rank, out, tracebacks), daemon=True
-            )
+            t = threading.Thread(target=_pump, args=(stream, rank, out, tracebacks), daemon=True)
             t.start()
             pumps.append(t)
 
@@ -222,6 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         while True:
             codes = poll()
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if bad and stopping["signal"] is not None:
+                break  # the ranks stopped because the launcher forwarded a signal to them
             if bad and failed is None:
                 # its peers may fail a moment later, from the broken connection: let the
                 # first traceback or signal death come in before naming one
@@ -263,6 +263,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return code if code > 0 else 128 - code
     if stopping["signal"] is not None:
+        name = signal.Signals(stopping["signal"]).name
+        sys.stderr.write(
+            f"multimesh.launch: {name} received; forwarded it and stopped all "
+            f"{ns.nproc} process(es).\n"
+        )
         return 128 + int(stopping["signal"])
     return 0
 

@@ -229,15 +229,26 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
             p.error(f"--{flag} must be at least 1")
     total = ns.pp * ns.tp * ns.dp * ns.fsdp
     if total != num_devices:
-        hint = (
-            "; with --backend cpu, give --dp too (or --cpus): the virtual CPU devices "
-            "default to pp*tp*dp*fsdp only when --pp and --dp are both given, else 8"
-            if ns.backend == "cpu" and ns.cpus is None and not dp_given
-            else ""
-        )
+        if getattr(ns, "multi_process", False):
+            import jax
+
+            where = f"on {jax.process_count()} processes" + (
+                ": multimesh.launch's --nproc x --devices-per-process"
+                if ns.backend == "cpu"
+                else ""
+            )
+            hint = ""
+        else:
+            where = "--cpus / the GPUs"
+            hint = (
+                "; with --backend cpu, give --dp too (or --cpus): the virtual CPU devices "
+                "default to pp*tp*dp*fsdp only when --pp and --dp are both given, else 8"
+                if ns.backend == "cpu" and ns.cpus is None and not dp_given
+                else ""
+            )
         p.error(
             f"--pp {ns.pp} x --tp {ns.tp} x --dp {ns.dp} x --fsdp {ns.fsdp} = {total}, but "
-            f"there are {num_devices} devices (--cpus / the launcher / the GPUs){hint}"
+            f"there are {num_devices} devices ({where}){hint}"
         )
     if ns.interleave > 1 and ns.pp < 2:
         p.error(
@@ -414,7 +425,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.cpus is not None and ns.cpus < 1:
         p.error("--cpus must be at least 1")
-    setup_backend(ns)
+    ns.multi_process = setup_backend(ns)
+    if ns.multi_process and ns.cpus is not None:
+        p.error(
+            "--cpus does not apply to a multi-process run: each process's CPU devices "
+            "are set where it is started (multimesh.launch --devices-per-process)"
+        )
     import jax
 
     try:
@@ -423,13 +439,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         why = f" ({e})" if str(e) else ""
         p.error(f"--backend {ns.backend}: JAX found no {ns.backend.upper()} devices here{why}")
     validate(ns, num_devices, p)
-    if ns.model == "maxtext":
-        from multimesh.run import maxtext
+    import multimesh as mm
 
-        return maxtext.run(ns)
-    from multimesh.run import gpt
+    try:
+        if ns.model == "maxtext":
+            from multimesh.run import maxtext
 
-    return gpt.run(ns)
+            return maxtext.run(ns)
+        from multimesh.run import gpt
+
+        return gpt.run(ns)
+    except mm.distributed.LayoutError as e:  # the processes split a stage: a usage error
+        p.error(f"--pp {ns.pp} x --dp {ns.dp} x --fsdp {ns.fsdp} x --tp {ns.tp}: {e}")
 
 
 def entry() -> None:

@@ -230,6 +230,10 @@ def _poll(kv: Any, key: str, timeout_s: float, gone: str | None = None) -> Any:
         wait = min(wait * 2, 0.05)
 
 
+class LayoutError(ValueError):
+    """The processes' devices split a submesh in a way multi-process runs do not support."""
+
+
 def check_layout(loc: Locality, targets: Sequence[Any]) -> None:
     """Supported: a process holds whole submeshes, or a submesh is split evenly over
     processes that hold no other submesh's devices. Anything else is a clear error."""
@@ -252,9 +256,9 @@ def check_layout(loc: Locality, targets: Sequence[Any]) -> None:
                 if len(set(counts.values())) > 1
                 else f"process {others[0][1]} also holds devices of submesh {others[0][0]!r}"
             )
-            raise ValueError(
+            raise LayoutError(
                 f"unsupported multi-process layout: submesh {t.name!r} (devices "
-                f"{[int(d.id) for d in devs]}) spans processes {sorted(procs)} with {why}. "
+                f"{[int(d.id) for d in devs]}) spans processes {sorted(procs)}: {why}. "
                 "Give each process whole submeshes (e.g. --devices-per-process a multiple "
                 "of the submesh size), or split a submesh evenly over processes that hold "
                 "nothing else."
