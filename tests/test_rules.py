@@ -156,6 +156,35 @@ def test_precompiled_regex_rules(mesh4x2):
         mm.jit(f, mesh=mesh4x2, task_rules={re.compile(rb"enc"): 1})
 
 
+def test_rules_sharing_a_pattern_text_are_two_rules(mesh4x2):
+    """``"enc"`` and ``re.compile("enc", re.I)`` are two rules: the second, shadowed by
+    the first on every scope, is reported in the overlap (named with its flags), and an
+    unused one is reported on its own (their bookkeeping was shared by pattern text)."""
+
+    def f(x):
+        with jax.named_scope("enc"):
+            h = x * 2
+        with jax.named_scope("ENC2"):
+            return h + 1
+
+    rules = {"enc": 1, re.compile("enc", re.I): 2}
+    with pytest.warns(UserWarning) as rec:
+        out = mm.jit(f, mesh=mesh4x2, task_rules=rules)(jnp.ones(4))
+    assert_close(out, jnp.ones(4) * 2 + 1)
+    msgs = " ".join(str(w.message) for w in rec)
+    assert "'enc': ['enc', re.compile('enc', re.IGNORECASE)] (first wins)" in msgs, msgs
+    assert "matched no named scope" not in msgs, msgs  # both rules matched something
+    rules = {"enc": 1, re.compile("ENC", re.I): 2, re.compile("xyz", re.I): 0}
+    with pytest.warns(UserWarning) as rec:
+        mm.jit(f, mesh=mesh4x2, task_rules=rules).lower(jnp.ones(4))
+    msgs = " ".join(str(w.message) for w in rec)
+    assert "no named scope: [re.compile('xyz', re.IGNORECASE)]" in msgs, msgs
+    assert "'enc': ['enc', re.compile('ENC', re.IGNORECASE)]" in msgs, msgs
+    rules = {"enc": 1, re.compile("enc"): 2}  # no flags: named by its text
+    with pytest.warns(UserWarning, match=r"'enc': \['enc', 'enc'\]"):
+        mm.jit(f, mesh=mesh4x2, task_rules=rules).lower(jnp.ones(4))
+
+
 def test_unmatched_and_overlapping_rules_warn(mesh4x2):
     _, params, x, loss = setup()
     rules = {**RULES, r"decoder_\d+": 1, r"layers_1": 2}

@@ -75,12 +75,19 @@ class Rules:
                     f"got {target!r}."
                 )
             self.rules.append((pat, rx, target))
-        self.used: dict[str, set[str]] = {p: set() for p, _, _ in self.rules}
+        #: how messages name each rule: its pattern text, or a compiled pattern's repr
+        #: when it has flags (``re.compile("enc", re.I)`` is not the rule ``"enc"``)
+        self.names = [
+            repr(key) if isinstance(key, re.Pattern) and _flags(key) else repr(pat)
+            for key, (pat, _rx, _t) in zip(rules, self.rules, strict=True)
+        ]
+        #: per rule (by position: two rules may share a pattern text): scopes it matched
+        self.used: list[set[str]] = [set() for _ in self.rules]
         self.assigned: dict[str, int] = {}
         self._memo: dict[tuple[str, ...], TaskRef | None] = {}
         self.overlaps: dict[str, list[str]] = {}
-        #: pattern -> explicit tasks (in order) whose code had a scope it matches
-        self.shadowed: dict[str, dict[str, None]] = {}
+        #: rule position -> explicit tasks (in order) whose code had a scope it matches
+        self.shadowed: dict[int, dict[str, None]] = {}
         self._seen: set[tuple[tuple[str, ...], str]] = set()
 
     def overridden(self, scopes: list[str], task: str) -> None:
@@ -92,9 +99,9 @@ class Rules:
         self._seen.add(key)
         clean = [s for s in scopes if MARKER not in s]
         for k in range(len(clean)):
-            for pat, rx, _ in self.rules:
-                if (_path_match(rx, clean, k)[0] if "/" in pat else rx.search(clean[k])):
-                    self.shadowed.setdefault(pat, {}).setdefault(task, None)
+            for i, (pat, rx, _) in enumerate(self.rules):
+                if _path_match(rx, clean, k)[0] if "/" in pat else rx.search(clean[k]):
+                    self.shadowed.setdefault(i, {}).setdefault(task, None)
 
     def match(self, scopes: list[str], limit: int) -> TaskRef | None:
         key = tuple(scopes)
@@ -103,7 +110,7 @@ class Rules:
         ref = None
         clean = [s for s in scopes if MARKER not in s]
         for k in reversed(range(len(clean))):
-            for pat, rx, target in self.rules:
+            for i, (pat, rx, target) in enumerate(self.rules):
                 scope = clean[k]
                 if "/" in pat:  # a path pattern: searched in the path down to this scope
                     m, scope = _path_match(rx, clean, k)
@@ -112,7 +119,7 @@ class Rules:
                 if m is None:
                     continue
                 if isinstance(target, ByLayer):
-                    self.used[pat].add(scope)
+                    self.used[i].add(scope)
                     ref = TaskRef(scope, None, None, target)
                     break
                 stage = target(m) if callable(target) else target
@@ -138,17 +145,17 @@ class Rules:
                             else ""
                         )
                     )
-                self.used[pat].add(scope)
+                self.used[i].add(scope)
                 self.assigned[scope] = stage
                 others = [
-                    p
-                    for p, r, _ in self.rules
-                    if p != pat and (_path_match(r, clean, k)[0] if "/" in p else r.search(scope))
+                    j
+                    for j, (p, r, _) in enumerate(self.rules)
+                    if j != i and (_path_match(r, clean, k)[0] if "/" in p else r.search(scope))
                 ]
                 if others:
-                    self.overlaps[scope] = [pat, *others]
-                    for p in others:  # matched, though another rule won: not unused
-                        self.used[p].add(scope)
+                    self.overlaps[scope] = [self.names[j] for j in (i, *others)]
+                    for j in others:  # matched, though another rule won: not unused
+                        self.used[j].add(scope)
                 ref = TaskRef(scope, stage, None)
                 break
             if ref is not None:
@@ -179,27 +186,33 @@ class Rules:
     def warn_unmatched(self) -> None:
         if self.overlaps:
             rows = "; ".join(
-                f"{sc!r}: {ps} (first wins)" for sc, ps in sorted(self.overlaps.items())
+                f"{sc!r}: [{', '.join(ps)}] (first wins)" for sc, ps in sorted(self.overlaps.items())
             )
             warnings.warn(
                 f"task_rules overlap: several rules match {rows}.", stacklevel=_user_level()
             )
-        unused = [p for p, scopes in self.used.items() if not scopes]
-        for p in [p for p in unused if p in self.shadowed]:
-            unused.remove(p)
-            names = ", ".join(repr(t) for t in self.shadowed[p])
+        unused = [i for i, scopes in enumerate(self.used) if not scopes]
+        for i in [i for i in unused if i in self.shadowed]:
+            unused.remove(i)
+            names = ", ".join(repr(t) for t in self.shadowed[i])
             warnings.warn(
-                f"task_rules[{p!r}] matched only scopes inside explicit tasks ({names}), "
+                f"task_rules[{self.names[i]}] matched only scopes inside explicit tasks ({names}), "
                 "which take precedence over task_rules: the rule placed nothing. Remove the "
                 "rule or the task (or narrow the pattern).",
                 stacklevel=_user_level(),
             )
         if unused:
             warnings.warn(
-                f"task_rules matched no named scope: {unused}. Check the patterns against "
+                f"task_rules matched no named scope: [{', '.join(self.names[i] for i in unused)}]. "
+                "Check the patterns against "
                 "the scopes in Lowered.as_text() or jax.make_jaxpr(...) name stacks.",
                 stacklevel=_user_level(),
             )
+
+
+def _flags(rx: re.Pattern) -> int:
+    """A compiled pattern's flags beyond those every str pattern has."""
+    return rx.flags & ~re.UNICODE
 
 
 def _user_level() -> int:
