@@ -1,5 +1,6 @@
 """Orbax checkpoints of MPMD state: resume exactly, restore into other layouts, faults."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -287,7 +288,7 @@ def test_zero_size_arrays_round_trip(mesh4x2, tmp_path):
         assert manager.restore(target=state)["empty"].shape == (0, 3)
 
 
-def test_manager_refuses_what_it_would_lose(tmp_path):
+def test_manager_refuses_what_it_would_lose(tmp_path, caplog):
     """Numbered folders that are not checkpoints (pruning deleted them, saves were
     refused), a step older than the latest (silently dropped), a non-integer step
     (invisible after a restart), and in-flight saves counted as complete steps."""
@@ -334,8 +335,11 @@ def test_manager_refuses_what_it_would_lose(tmp_path):
     np.testing.assert_array_equal(got["w"], [30.0, 30.0])
     # a manager's step folder (what multimesh-run writes) read by restore(): was "lists no
     # arrays ... corrupt"
-    step = mm.checkpoint.restore(d / "1", {"w": jnp.zeros(2)})
+    with caplog.at_level(logging.WARNING):
+        step = mm.checkpoint.restore(d / "1", {"w": jnp.zeros(2)})
     np.testing.assert_array_equal(step["w"], [1.0, 1.0])
+    # Orbax's "Metadata file does not exist" (the step's metadata sits beside `default`)
+    assert not [r for r in caplog.records if "Metadata file does not exist" in r.getMessage()]
     with pytest.raises(ValueError, match=r"is a CheckpointManager directory \(steps \[1, 2, 3\]\)"):
         mm.checkpoint.restore(d, {"w": jnp.zeros(2)})
 

@@ -25,9 +25,11 @@ extra keys, other shapes or dtypes) is a clear error naming the keys.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -505,14 +507,16 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
             f"no checkpoint at {path} (an interrupted save leaves none: use "
             "CheckpointManager to restore the latest complete step)"
         )
+    quiet = contextlib.nullcontext()
     if not (path / "_METADATA").exists() and (path / "default" / "_METADATA").exists():
         path = path / "default"  # a CheckpointManager step (multimesh-run writes these)
+        quiet = _without_orbax_notice(str(path / "_CHECKPOINT_METADATA"))
     elif not (path / "_METADATA").exists() and (steps := saved_steps(path)):
         raise ValueError(
             f"{path} is a CheckpointManager directory (steps {steps}), not one "
             f"checkpoint: restore a step ({path}/STEP) or use CheckpointManager(...).restore"
         )
-    with ocp.Checkpointer(_handler()) as ck:
+    with quiet, ocp.Checkpointer(_handler()) as ck:
         try:
             meta = ck.metadata(path)
         except Exception as e:  # noqa: BLE001 - Orbax raises many kinds
@@ -522,6 +526,22 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
             return _restore(lambda args: ck.restore(path, args=args), target)
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"checkpoint {path} could not be restored into the target{_WHY}: {e}") from e
+
+
+@contextlib.contextmanager
+def _without_orbax_notice(missing: str) -> Any:
+    """Drop Orbax's "Metadata file does not exist: <missing>" log line: a manager step's
+    metadata file sits beside its ``default`` folder, which is read as one checkpoint."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return missing not in record.getMessage()
+
+    log = logging.getLogger("absl")
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
 
 
 def _step_number(step: Any) -> int:
