@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import stage_of
 from jax.ad_checkpoint import checkpoint_name
 
 import multimesh as mm
@@ -1209,6 +1210,30 @@ def test_parameters_lowering_ignores_do_not_split_executables(kind):
         stats[variant] = c.compile_stats
     assert stats[f"{kind}_per_layer"] == stats[f"{kind}_once"], stats
     assert stats[f"{kind}_once"]["relocated"] >= 2, stats
+
+
+def test_an_executable_xla_cannot_serialize_is_compiled_not_relocated(monkeypatch):
+    """XLA:CPU cannot serialize a sort's comparator once the executable has run
+    ("`LessThan` is not serializable"): relocating it for a second mm.jit on another
+    submesh raised that error; it is compiled there instead."""
+    monkeypatch.setenv("MULTIMESH_SHARED_EXECUTABLES", "1024")
+    mesh = mm.make_mesh((2,), ("stage",), devices=jax.devices()[:2])
+    x = np.random.RandomState(0).randn(4, 8).astype(np.float32)
+
+    def on(stage):
+        def f(x):
+            with mm.task("a", stage=stage):
+                return jnp.sort(x, axis=1)
+
+        return f
+
+    first = mm.jit(on(0), mesh=mesh)
+    np.testing.assert_array_equal(np.asarray(first(x)), np.sort(x, axis=1))  # it has run
+    second = mm.jit(on(1), mesh=mesh).lower(x).compile()
+    assert second.compile_stats["compiled"] == 1 and second.compile_stats["relocated"] == 0
+    out = second(x)
+    assert stage_of(out, mesh) == 1
+    np.testing.assert_array_equal(np.asarray(out), np.sort(x, axis=1))
 
 
 def test_a_new_mm_jit_of_a_compiled_program_shares_its_executables(monkeypatch):

@@ -353,7 +353,11 @@ def relocate_compiled(compiled: Any, mapping: dict[int, Any]) -> Any:
         backend=backend,
     )
     device_list = _xc.DeviceList(tuple(dst))
-    data, in_tree, out_tree = _se.serialize(compiled)
+    try:
+        data, in_tree, out_tree = _se.serialize(compiled)
+    except Exception as e:  # noqa: BLE001 - XLA:CPU cannot serialize some programs
+        # (a sort's comparator that has run: "`LessThan` is not serializable")
+        raise ValueError(f"this executable cannot be serialized ({e})") from e
 
     class _Unpickler(_se._JaxPjrtUnpickler):
         def persistent_load(self, pid: Any) -> Any:
@@ -365,13 +369,22 @@ def relocate_compiled(compiled: Any, mapping: dict[int, Any]) -> Any:
                 return mapping[pid[1]]
             return super().persistent_load(pid)
 
-    loaded = _Unpickler(io.BytesIO(data), backend, dst).load()
+    try:
+        loaded = _Unpickler(io.BytesIO(data), backend, dst).load()
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - what XLA cannot load back is compiled instead
+        raise ValueError(f"this executable cannot be loaded for other devices ({e})") from e
     if len(loaded) == 3:  # jax < 0.12.1
         (moved, args_info_flat, no_kwargs), const_args = loaded, []
     else:  # (version, executable, args info, no_kwargs, constants)
         _version, moved, args_info_flat, no_kwargs, const_args = loaded[:5]
+    try:
+        exe = moved.load()
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"this executable cannot be loaded for other devices ({e})") from e
     return jax.stages.Compiled(
-        moved.load(),
+        exe,
         list(const_args),
         in_tree.unflatten(args_info_flat),
         out_tree,
