@@ -795,12 +795,10 @@ class Executable:
         # (program, call) pair naming cross-process transfers and to_host outputs
         self._calls = _CALLS[self._uid] = _CALLS.get(self._uid, 0) + 1
         env = self.fresh_env()
-        ran = False
         try:
             for code, fn, get, outs, free, copy in self._loop:
                 if code == _RUN:
                     res = fn(*get(env))
-                    ran = True
                     for i, r in zip(outs, res):
                         env[i] = r
                     if copy is not None:
@@ -813,9 +811,12 @@ class Executable:
                     env[i] = None
             return self.finish(env)
         except BaseException as e:
-            if ran:  # failed at run time, after work started (see Compiled._donating)
-                with contextlib.suppress(AttributeError, TypeError):
-                    e.mm_ran = True  # type: ignore[attr-defined]
+            # failed at run time (see Compiled._donating): the arguments were checked
+            # before the loop, so this is the program's failure (a callback raising,
+            # possibly while the first fragment is launched), after which jax.jit has
+            # consumed its donated arguments
+            with contextlib.suppress(AttributeError, TypeError):
+                e.mm_ran = True  # type: ignore[attr-defined]
             raise
 
 
