@@ -764,6 +764,39 @@ def test_jit_as_a_decorator_factory_with_compiler_options(mesh4x2):
         mm.jit(two_stage, keep_unused="yes")
 
 
+def test_argnums_and_argnames_take_what_jax_jit_takes(mesh4x2):
+    """``None`` (jax.jit's own default), NumPy integers and ``True`` (an index) are
+    taken as ``jax.jit`` takes them, as is ``keep_unused=1``; they were TypeErrors
+    ("'NoneType' object is not iterable")."""
+
+    def f(w, x, n):
+        return two_stage(w, x) * n
+
+    want = reference(two_stage, mesh4x2, W, X) * 3
+    for kw in (
+        {"static_argnums": None, "static_argnames": "n"},
+        {"static_argnums": np.int64(2), "static_argnames": None},
+        {"static_argnums": (np.int32(2),), "donate_argnums": None, "donate_argnames": None},
+    ):
+        jax.jit(f, **kw)  # jax.jit takes these too
+        assert_close(mm.jit(f, mesh=mesh4x2, **kw)(W, X, n=3), want)
+
+    def g(x, flag):
+        return two_stage(W, x) * (2 if flag else 1)
+
+    jax.jit(g, static_argnums=True)
+    assert_close(
+        mm.jit(g, mesh=mesh4x2, static_argnums=True)(X, True),
+        reference(two_stage, mesh4x2, W, X) * 2,
+    )
+    assert_close(mm.jit(two_stage, mesh=mesh4x2, keep_unused=1)(W, X), want / 3)
+    w = jnp.asarray(W)
+    mm.jit(two_stage, mesh=mesh4x2, donate_argnums=np.int64(0))(w, X)
+    assert w.is_deleted()
+    with pytest.raises(TypeError):  # as jax.jit
+        mm.jit(f, mesh=mesh4x2, static_argnums=1.5)
+
+
 def test_trace_and_lower_take_deleted_arrays(mesh4x2):
     """As jax.jit(f).trace/.lower: a deleted (donated) argument's type is enough; a call
     with it is still an error."""

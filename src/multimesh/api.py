@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 import re
 import threading
 import types
@@ -666,10 +667,10 @@ def jit(
     *,
     mesh: MultiMesh | None = None,
     task_rules: Any = None,
-    static_argnums: int | Sequence[int] = (),
-    static_argnames: str | Sequence[str] = (),
-    donate_argnums: int | Sequence[int] = (),
-    donate_argnames: str | Sequence[str] = (),
+    static_argnums: int | Sequence[int] | None = (),
+    static_argnames: str | Sequence[str] | None = (),
+    donate_argnums: int | Sequence[int] | None = (),
+    donate_argnames: str | Sequence[str] | None = (),
     in_shardings: Any = None,
     out_shardings: Any = None,
     keep_unused: bool = False,
@@ -706,7 +707,7 @@ def jit(
             keep_unused=keep_unused,
             compiler_options=compiler_options,
         )
-    if not isinstance(keep_unused, bool):
+    if not isinstance(keep_unused, (bool, int, np.bool_, np.integer)):
         raise TypeError(f"mm.jit(keep_unused=...) takes a bool, got {keep_unused!r}.")
     if compiler_options is not None and not isinstance(compiler_options, dict):
         raise TypeError(
@@ -714,17 +715,25 @@ def jit(
             f"{type(compiler_options).__name__}."
         )
 
-    def tup(v: Any) -> tuple[Any, ...]:
-        return (v,) if isinstance(v, (int, str)) else tuple(v)
+    def nums(v: Any) -> tuple[int, ...]:  # as jax.jit: None, an index, or indices
+        if v is None:
+            return ()
+        try:
+            return (operator.index(v),)
+        except TypeError:
+            return tuple(operator.index(i) for i in v)
+
+    def names(v: Any) -> tuple[str, ...]:
+        return () if v is None else (v,) if isinstance(v, str) else tuple(v)
 
     return MpmdFunction(
         fun,
         mesh,
         task_rules,
-        tup(static_argnums),
-        tup(static_argnames),
-        tup(donate_argnums),
-        tup(donate_argnames),
+        nums(static_argnums),
+        names(static_argnames),
+        nums(donate_argnums),
+        names(donate_argnames),
         in_shardings,
         out_shardings,
         compiler_options,
