@@ -957,15 +957,18 @@ def abstract_call(
 
         prim = jcore.Primitive("mm_jit_call")
         prim.multiple_results = True
-        prim.def_abstract_eval(lambda *_avals, out_avals, name, error: list(out_avals))
+        prim.def_abstract_eval(lambda *_avals, out_avals, name, refusal: list(out_avals))
 
-        def refuse(*_a: Any, error: Callable[[], Exception], **_kw: Any) -> Any:
-            raise error()
+        # the parameter is not named ``error``: checkify's default rule takes that name
+        def refuse(*_a: Any, refusal: Callable[[], Exception], **_kw: Any) -> Any:
+            raise refusal()
 
         prim.def_impl(refuse)
-        ad.primitive_jvps[prim] = lambda _p, _t, *, error, **_kw: refuse(error=error)
-        batching.primitive_batchers[prim] = lambda _a, _d, *, error, **_kw: refuse(error=error)
-        mlir.register_lowering(prim, lambda _ctx, *_a, error, **_kw: refuse(error=error))
+        ad.primitive_jvps[prim] = lambda _p, _t, *, refusal, **_kw: refuse(refusal=refusal)
+        batching.primitive_batchers[prim] = lambda _a, _d, *, refusal, **_kw: refuse(
+            refusal=refusal
+        )
+        mlir.register_lowering(prim, lambda _ctx, *_a, refusal, **_kw: refuse(refusal=refusal))
         from jax._src.interpreters import partial_eval as pe
 
         # never dropped as dead code (its lowering is what raises: an unused call under
@@ -977,7 +980,7 @@ def abstract_call(
         _core.ShapedArray(o.shape, o.dtype, weak_type=bool(getattr(o, "weak_type", False)))
         for o in outs
     )
-    return _ABSTRACT_CALL.bind(*leaves, out_avals=out_avals, name=name, error=error)
+    return _ABSTRACT_CALL.bind(*leaves, out_avals=out_avals, name=name, refusal=error)
 
 
 @functools.cache
