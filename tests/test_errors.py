@@ -302,6 +302,14 @@ def test_bad_arguments_are_named(mesh4x2):
         g(jnp.ones(3), "text")
     with pytest.raises(OverflowError, match="argument path is n"):
         g(jnp.ones(3), 2**40)
+    # NumPy arrays JAX cannot take (object dtype, big-endian): jax.jit's message, naming
+    # f and x (they named MpmdFunction._trace.<locals>.flat_fun and leaves[0])
+    for bad in (np.array([1, "a"], dtype=object), np.arange(3, dtype=">f4")):
+        with pytest.raises(TypeError) as got:
+            g(bad, 2.0)
+        text = str(got.value)
+        assert f"Error interpreting argument to {f!r}" in text, text
+        assert "at path x" in text and "flat_fun" not in text, text
 
 
 def test_mutable_array_references(mesh4x2):

@@ -284,12 +284,20 @@ class MpmdFunction:
             return
         text = e.args[0]
         # only JAX's own messages about our flat function (not the user's exceptions)
-        if not isinstance(e, OverflowError) and f"flat_fun at {__file__}" not in text:
+        ours = "MpmdFunction._trace.<locals>.flat_fun at 0x"  # its repr: <function ...>
+        if not isinstance(e, OverflowError) and not (
+            f"flat_fun at {__file__}" in text or ours in text
+        ):
             return
         names = self._signature.leaf_names(call)
         text = re.sub(
             r"leaves\[(\d+)\]",
             lambda m: names[int(m.group(1))] if int(m.group(1)) < len(names) else m.group(0),
+            text,
+        )
+        text = re.sub(
+            r"<function MpmdFunction\._trace\.<locals>\.flat_fun at 0x[0-9a-fA-F]+>",
+            lambda _m: repr(self.fun),
             text,
         )
         text = re.sub(r"\bflat_fun at \S+:\d+", _source_info(self.fun), text)
