@@ -390,6 +390,39 @@ def test_in_shardings(mesh4x2):
     assert any(p.mode == "put" and p.arg == 0 and p.stage == 0 for p in plan.inputs)
 
 
+def test_a_spec_in_shardings_moves_a_committed_array_to_that_layout(mesh4x2):
+    """``in_shardings=P("data")`` with an array committed in another layout (replicated
+    on the global mesh, on the submesh using it, or on another submesh): the program
+    sees it in ``P("data")`` (as the README says; the entry was silently ignored for
+    committed arrays). In that layout already, it is used in place. Indivisible entries
+    are jax's ``IndivisibleError`` for arguments and outputs, as under jax.jit."""
+
+    def f(x):
+        with mm.task("a", stage=0):
+            return x * 2
+
+    x = jnp.arange(8.0)
+    g = mm.jit(f, mesh=mesh4x2, in_shardings=P("data"))
+    for where in (mesh4x2.mesh, mesh4x2.submesh(0), mesh4x2.submesh(1)):
+        out = g(jax.device_put(x, NamedSharding(where, P())))
+        assert_close(out, x * 2)
+        # the fragment took it in P("data"): its elementwise output is laid out so
+        assert out.sharding.spec == P("data"), (where, out.sharding)
+        assert out.sharding.mesh.devices.tolist() == mesh4x2.submesh(0).devices.tolist()
+    kept = jax.device_put(x, NamedSharding(mesh4x2.submesh(0), P("data")))
+    assert [p.mode for p in g.lower(kept).plan.inputs] == ["as_is"]  # no copy
+    assert [p.mode for p in g.lower(jax.device_put(x, NamedSharding(mesh4x2.submesh(0), P()))
+                                     ).plan.inputs] == ["put"]
+    bad = jax.device_put(jnp.ones(3), NamedSharding(mesh4x2.mesh, P()))
+    with pytest.raises(ValueError, match=r"argument x \(the submesh of stage 0\).*partitioned") as e:
+        g(bad)
+    with pytest.raises(type(e.value)):  # the same type as jax.jit's
+        jax.jit(f, in_shardings=NamedSharding(mesh4x2.submesh(0), P("data")))(jnp.ones(3))
+    h = mm.jit(lambda v: v[:3] * 2, mesh=mesh4x2, out_shardings=P("data"))
+    with pytest.raises(type(e.value), match=r"for output <root>: .*partitioned 2 times"):
+        h(x)
+
+
 def test_in_shardings_on_a_submesh_place_the_argument_there(mesh4x2):
     """A NamedSharding on one submesh puts a host argument there: untagged work on it
     runs next to it (it was refused, or ignored once an array committed elsewhere had

@@ -799,7 +799,7 @@ def test_argnums_and_argnames_take_what_jax_jit_takes(mesh4x2):
         reference(two_stage, mesh4x2, W, X) * 2,
     )
     assert_close(mm.jit(two_stage, mesh=mesh4x2, keep_unused=1)(W, X), want / 3)
-    w = jnp.asarray(W)
+    w = jnp.array(W, copy=True)  # not the shared W: donating deletes it
     mm.jit(two_stage, mesh=mesh4x2, donate_argnums=np.int64(0))(w, X)
     assert w.is_deleted()
     with pytest.raises(TypeError):  # as jax.jit

@@ -331,7 +331,9 @@ class MpmdFunction:
         for path, s, aval in zip(paths, leaves, traced.out_avals):
             where = jax.tree_util.keystr(path) or "<root>"
             what = f"mm.jit(out_shardings=...) of {self._fun_name!r}: {s} for output {where}"
-            check_spec_rank(s, getattr(aval, "shape", ()), what, "output")
+            shape = tuple(getattr(aval, "shape", ()))
+            check_spec_rank(s, shape, what, "output")
+            _check_divides(s, shape, what, traced.labels.targets)
         return leaves
 
     def _put_shardings(self, labels: Labels, call: Call, flat: list[Any]) -> list[Any]:
@@ -349,8 +351,8 @@ class MpmdFunction:
             if isinstance(s, NamedSharding):
                 try:  # as jax.jit, also for an argument the program does not use
                     s.shard_shape(tuple(getattr(x, "shape", ())))
-                except ValueError as e:
-                    raise ValueError(f"in_shardings for argument {name}: {e}") from None
+                except ValueError as e:  # jax's IndivisibleError keeps its type
+                    raise type(e)(f"in_shardings for argument {name}: {e}") from None
 
         global_ids = (
             frozenset(int(d.id) for d in mmesh.mesh.devices.flat) if mmesh is not None else None
@@ -396,7 +398,7 @@ class MpmdFunction:
                 try:  # as jax.jit: a spec that does not divide the argument names it
                     out.shard_shape(shape)
                 except ValueError as e:
-                    raise ValueError(f"in_shardings for argument {name} ({where}): {e}") from None
+                    raise type(e)(f"in_shardings for argument {name} ({where}): {e}") from None
                 return out
 
             return pick
@@ -668,6 +670,29 @@ def _checkify_error_leaves(out_tree: Any) -> list[int]:
 def _check_sharding_tree(tree: Any, what: str) -> None:
     for s in jax.tree_util.tree_leaves(tree, is_leaf=_is_spec):
         check_spec_value(s, f"mm.jit({what}=...)")
+
+
+def _check_divides(s: Any, shape: tuple[int, ...], what: str, targets: Sequence[Any]) -> None:
+    """As jax.jit, before compiling: an ``out_shardings`` entry that does not divide its
+    output is jax's ``IndivisibleError``, naming the output (it named a line of
+    MultiMesh's compile). A bare spec is refused only if no mesh the program runs on
+    with its axes could make that output so."""
+    if isinstance(s, PartitionSpec):
+        meshes = [t.mesh for t in targets if spec_axes(s) <= set(t.mesh.axis_names)]
+        cands = [NamedSharding(m, s) for m in meshes]
+    elif isinstance(s, NamedSharding):
+        cands = [s]
+    else:
+        return
+    errors = []
+    for c in cands:
+        try:
+            c.shard_shape(shape)
+            return
+        except ValueError as e:
+            errors.append(e)
+    if errors:
+        raise type(errors[0])(f"{what}: {errors[0]}") from None
 
 
 def jit(

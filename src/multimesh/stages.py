@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
 
 from multimesh import _compat
 from multimesh.arguments import (
@@ -211,6 +212,10 @@ class Lowered(_ArgsInfo):
                 # a host value (or an array on other devices) whose in_shardings names
                 # a submesh is put there
                 self.input_infos[k] = InputInfo(frozenset({pinned[0]}), "put")
+            elif pinned is None and put_sh[k] is not None:
+                self.input_infos[k] = _moved_to_in_sharding(
+                    self.input_infos[k], flat[k], put_sh[k], labels, fn._signature.leaf_names(call)[k]
+                )
         self.input_infos += [_piece_info(p) for _j, p in sorted(self._pieces.items())]
         default = (
             min(s for s in labels.stages if s is not None)
@@ -874,6 +879,36 @@ class CostAnalysis(dict):
         super().__init__(total)
         self.per_fragment = per_fragment
         self.per_submesh = per_submesh
+
+
+def _moved_to_in_sharding(
+    info: InputInfo, x: Any, put: Callable[[int], Any], labels: Labels, name: str
+) -> InputInfo:
+    """A committed argument whose ``in_shardings`` entry is a ``PartitionSpec`` (or a
+    global-mesh ``NamedSharding``) in another layout than it has is put in that layout
+    where it is used (it was used in its own layout, the entry ignored); in the same
+    layout it is used where it is."""
+    if info.mode == "put":
+        return info
+    ndim = len(getattr(x, "shape", ()))
+    have = committed_sharding(x)
+    if info.mode == "as_is":
+        here = [(s, have) for s in sorted(info.loc)]
+    else:  # extract: its piece on each submesh
+        here = [(s, NamedSharding(labels.targets[s].mesh, sp)) for s, sp in info.extract_specs]
+    try:
+        same = all(_compat.same_layout_any_devices(h, put(s), ndim) for s, h in here)
+    except ValueError:  # the spec does not fit where it is: put where used (checked there)
+        same = False
+    if same:
+        return info
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"in_shardings for argument {name}: the argument is committed in another layout "
+            f"({have}) than in_shardings gives; a multi-process run cannot move a committed "
+            "array for you: pass it uncommitted (a host value) or in that layout."
+        )
+    return InputInfo(ANY, "put")
 
 
 def _piece_info(p: Any) -> InputInfo:
