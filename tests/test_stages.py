@@ -769,8 +769,6 @@ def test_jit_as_a_decorator_factory_with_compiler_options(mesh4x2):
     bad = mm.jit(two_stage, mesh=mesh4x2, compiler_options={"not_an_xla_option": True})
     with pytest.raises(Exception, match="not_an_xla_option"):
         bad(W, X)
-    with pytest.raises(TypeError, match="keep_unused"):
-        mm.jit(two_stage, keep_unused="yes")
 
 
 def test_argnums_and_argnames_take_what_jax_jit_takes(mesh4x2):
@@ -804,6 +802,22 @@ def test_argnums_and_argnames_take_what_jax_jit_takes(mesh4x2):
     assert w.is_deleted()
     with pytest.raises(TypeError):  # as jax.jit
         mm.jit(f, mesh=mesh4x2, static_argnums=1.5)
+    for bad in ([0], ("n", 1), b"n"):  # names must be str: a TypeError, as jax.jit's
+        with pytest.raises(TypeError):
+            jax.jit(f, static_argnames=bad)
+        with pytest.raises(TypeError, match="takes parameter names"):
+            mm.jit(f, mesh=mesh4x2, static_argnames=bad)
+    # given both numbers and names, neither is inferred from the other (as jax.jit): only
+    # a is donated, and n passed by position is traced, not static
+    a, b = jnp.array(W, copy=True), jnp.array(W, copy=True)
+    h = mm.jit(lambda a, b: two_stage(a, X) + two_stage(b, X), mesh=mesh4x2,
+               donate_argnums=0, donate_argnames="b")
+    h(a, b)
+    assert a.is_deleted() and not b.is_deleted()
+    k = mm.jit(f, mesh=mesh4x2, static_argnums=(), static_argnames="n")
+    assert_close(k(W, X, jnp.float32(3)), want)
+    with pytest.raises(ValueError, match="hashable|static"):
+        mm.jit(f, mesh=mesh4x2, static_argnames="n")(W, X, jnp.ones(2))  # inferred
 
 
 def test_trace_and_lower_take_deleted_arrays(mesh4x2):

@@ -84,10 +84,10 @@ class MpmdFunction:
         fun: Callable[..., Any],
         mesh: MultiMesh | None,
         task_rules: Any,
-        static_argnums: Sequence[int],
-        static_argnames: Sequence[str],
-        donate_argnums: Sequence[int],
-        donate_argnames: Sequence[str],
+        static_argnums: Sequence[int] | None,
+        static_argnames: Sequence[str] | None,
+        donate_argnums: Sequence[int] | None,
+        donate_argnames: Sequence[str] | None,
         in_shardings: Any,
         out_shardings: Any,
         compiler_options: dict[str, Any] | None = None,
@@ -700,10 +700,10 @@ def jit(
     *,
     mesh: MultiMesh | None = None,
     task_rules: Any = None,
-    static_argnums: int | Sequence[int] | None = (),
-    static_argnames: str | Sequence[str] | None = (),
-    donate_argnums: int | Sequence[int] | None = (),
-    donate_argnames: str | Sequence[str] | None = (),
+    static_argnums: int | Sequence[int] | None = None,
+    static_argnames: str | Sequence[str] | None = None,
+    donate_argnums: int | Sequence[int] | None = None,
+    donate_argnames: str | Sequence[str] | None = None,
     in_shardings: Any = None,
     out_shardings: Any = None,
     keep_unused: bool = False,
@@ -740,33 +740,37 @@ def jit(
             keep_unused=keep_unused,
             compiler_options=compiler_options,
         )
-    if not isinstance(keep_unused, (bool, int, np.bool_, np.integer)):
-        raise TypeError(f"mm.jit(keep_unused=...) takes a bool, got {keep_unused!r}.")
     if compiler_options is not None and not isinstance(compiler_options, dict):
         raise TypeError(
             f"mm.jit(compiler_options=...) takes a dict of XLA options, got "
             f"{type(compiler_options).__name__}."
         )
 
-    def nums(v: Any) -> tuple[int, ...]:  # as jax.jit: None, an index, or indices
+    def nums(v: Any) -> tuple[int, ...] | None:  # as jax.jit: None, an index, or indices
         if v is None:
-            return ()
+            return None
         try:
             return (operator.index(v),)
         except TypeError:
             return tuple(operator.index(i) for i in v)
 
-    def names(v: Any) -> tuple[str, ...]:
-        return () if v is None else (v,) if isinstance(v, str) else tuple(v)
+    def names(v: Any, what: str) -> tuple[str, ...] | None:
+        if v is None:
+            return None
+        out = (v,) if isinstance(v, str) else tuple(v)
+        bad = [n for n in out if not isinstance(n, str)]
+        if bad:  # as jax.jit: a TypeError
+            raise TypeError(f"mm.jit({what}=...) takes parameter names (str), got {bad[0]!r}.")
+        return out
 
     return MpmdFunction(
         fun,
         mesh,
         task_rules,
         nums(static_argnums),
-        names(static_argnames),
+        names(static_argnames, "static_argnames"),
         nums(donate_argnums),
-        names(donate_argnames),
+        names(donate_argnames, "donate_argnames"),
         in_shardings,
         out_shardings,
         compiler_options,

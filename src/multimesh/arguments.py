@@ -45,11 +45,17 @@ class Signature:
     def __init__(
         self,
         fun: Callable[..., Any],
-        static_argnums: Sequence[int],
-        static_argnames: Sequence[str],
-        donate_argnums: Sequence[int],
-        donate_argnames: Sequence[str],
+        static_argnums: Sequence[int] | None,
+        static_argnames: Sequence[str] | None,
+        donate_argnums: Sequence[int] | None,
+        donate_argnames: Sequence[str] | None,
     ) -> None:
+        # as jax.jit: numbers and names infer each other only when one of the pair is
+        # omitted (None); given both, each means only what it says
+        infer_static = static_argnums is None or static_argnames is None
+        infer_donate = donate_argnums is None or donate_argnames is None
+        static_argnums, static_argnames = static_argnums or (), static_argnames or ()
+        donate_argnums, donate_argnames = donate_argnums or (), donate_argnames or ()
         try:
             sig = inspect.signature(fun)
         except (TypeError, ValueError):
@@ -93,18 +99,18 @@ class Signature:
         self.donate_argnums = resolve(donate_argnums, "donate_argnums")
         self.static_argnames = tuple(static_argnames)
         self.donate_argnames = tuple(donate_argnames)
-        # names <-> positions, as jax.jit does
+        # names <-> positions, as jax.jit does (when one of the pair is omitted)
         self.static_names = set(self.static_argnames) | {
-            positional[i] for i in self.static_argnums if 0 <= i < n
+            positional[i] for i in self.static_argnums if 0 <= i < n and infer_static
         }
         self.static_pos = {i for i in self.static_argnums if i >= 0} | {
-            i for i, p in enumerate(positional) if p in self.static_argnames
+            i for i, p in enumerate(positional) if p in self.static_argnames and infer_static
         }
         self.donate_names = set(self.donate_argnames) | {
-            positional[i] for i in self.donate_argnums if 0 <= i < n
+            positional[i] for i in self.donate_argnums if 0 <= i < n and infer_donate
         }
         self.donate_pos = {i for i in self.donate_argnums if i >= 0} | {
-            i for i, p in enumerate(positional) if p in self.donate_argnames
+            i for i, p in enumerate(positional) if p in self.donate_argnames and infer_donate
         }
         self._neg_static = tuple(i for i in self.static_argnums if i < 0)
         self._neg_donate = tuple(i for i in self.donate_argnums if i < 0)
