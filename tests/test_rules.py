@@ -180,9 +180,11 @@ def test_rules_sharing_a_pattern_text_are_two_rules(mesh4x2):
     msgs = " ".join(str(w.message) for w in rec)
     assert "no named scope: [re.compile('xyz', re.IGNORECASE)]" in msgs, msgs
     assert "'enc': ['enc', re.compile('ENC', re.IGNORECASE)]" in msgs, msgs
-    rules = {"enc": 1, re.compile("enc"): 2}  # no flags: named by its text
-    with pytest.warns(UserWarning, match=r"'enc': \['enc', 'enc'\]"):
+    rules = {"enc": 1, re.compile("enc"): 2}  # a compiled pattern is named by its repr
+    with pytest.warns(UserWarning, match=r"'enc': \['enc', re.compile\('enc'\)\]"):
         mm.jit(f, mesh=mesh4x2, task_rules=rules).lower(jnp.ones(4))
+    with pytest.raises(TypeError, match=r"task_rules\[re.compile\('enc', re.IGNORECASE\)\]"):
+        mm.jit(f, mesh=mesh4x2, task_rules={re.compile("enc", re.I): "0"})
 
 
 def test_unmatched_and_overlapping_rules_warn(mesh4x2):

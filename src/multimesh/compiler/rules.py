@@ -51,6 +51,9 @@ class Rules:
         if not isinstance(rules, Mapping):
             raise TypeError("task_rules must be a dict {regex: stage | callable(match) -> stage}.")
         self.rules: list[tuple[str, re.Pattern, Any]] = []
+        #: how messages name each rule: its text, or a compiled pattern's repr (two rules
+        #: may share a text: ``"enc"`` and ``re.compile("enc", re.I)``)
+        self.names: list[str] = []
         for key, target in rules.items():
             if isinstance(key, re.Pattern) and isinstance(key.pattern, str):
                 pat, rx = key.pattern, key  # precompiled: named by its pattern text
@@ -65,22 +68,18 @@ class Rules:
                     f"task_rules keys are regexes (str or re.compile(str)) matched against "
                     f"scope names, got {key!r}."
                 )
+            name = repr(key) if isinstance(key, re.Pattern) else repr(pat)
             if isinstance(target, ByLayer):
                 pass
             elif not callable(target) and (
                 isinstance(target, bool) or not isinstance(target, (int, np.integer))
             ):
                 raise TypeError(
-                    f"task_rules[{pat!r}] must be a stage (int) or a callable(match) -> stage, "
+                    f"task_rules[{name}] must be a stage (int) or a callable(match) -> stage, "
                     f"got {target!r}."
                 )
             self.rules.append((pat, rx, target))
-        #: how messages name each rule: its pattern text, or a compiled pattern's repr
-        #: when it has flags (``re.compile("enc", re.I)`` is not the rule ``"enc"``)
-        self.names = [
-            repr(key) if isinstance(key, re.Pattern) and _flags(key) else repr(pat)
-            for key, (pat, _rx, _t) in zip(rules, self.rules, strict=True)
-        ]
+            self.names.append(name)
         #: per rule (by position: two rules may share a pattern text): scopes it matched
         self.used: list[set[str]] = [set() for _ in self.rules]
         self.assigned: dict[str, int] = {}
@@ -125,13 +124,13 @@ class Rules:
                 stage = target(m) if callable(target) else target
                 if isinstance(stage, bool) or not isinstance(stage, (int, np.integer)):
                     raise TypeError(
-                        f"task_rules[{pat!r}] returned {stage!r} for scope {scope!r}; it must "
+                        f"task_rules[{self.names[i]}] returned {stage!r} for scope {scope!r}; it must "
                         "return a stage (int)."
                     )
                 stage = int(stage)
                 if not 0 <= stage < limit:
                     raise ValueError(
-                        f"task_rules[{pat!r}] maps scope {scope!r} to stage {stage}, which is "
+                        f"task_rules[{self.names[i]}] maps scope {scope!r} to stage {stage}, which is "
                         + (
                             "out of range (stages start at 0)."
                             if stage < 0
@@ -208,11 +207,6 @@ class Rules:
                 "the scopes in Lowered.as_text() or jax.make_jaxpr(...) name stacks.",
                 stacklevel=_user_level(),
             )
-
-
-def _flags(rx: re.Pattern) -> int:
-    """A compiled pattern's flags beyond those every str pattern has."""
-    return rx.flags & ~re.UNICODE
 
 
 def _user_level() -> int:

@@ -135,11 +135,17 @@ def check_layout(mmesh: Any, stages: Sequence[int] | None = None) -> None:
     submesh's devices. A no-op in a single process."""
     import types
 
+    from multimesh.mesh import MultiMesh
     from multimesh.runtime import crossproc
 
+    if not isinstance(mmesh, MultiMesh):
+        raise TypeError(f"check_layout takes a MultiMesh, got {type(mmesh).__name__}.")
+    which = range(mmesh.num_stages) if stages is None else list(stages)
+    bad = [s for s in which if not 0 <= s < mmesh.num_stages]
+    if bad:
+        raise ValueError(f"check_layout: stage {bad[0]} is out of range (0..{mmesh.num_stages - 1}).")
     loc = crossproc.locality()
     if loc is None:
         return
-    which = range(mmesh.num_stages) if stages is None else stages
     targets = [types.SimpleNamespace(name=f"stage{s}", mesh=mmesh.submesh(s)) for s in which]
     crossproc.check_layout(loc, targets)

@@ -219,9 +219,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         while True:
             codes = poll()
+            if stopping["signal"] is not None:
+                # the launcher forwarded a signal: the ranks' exits are not failures; wait
+                # for all of them, at most the grace period (JAX processes catch SIGTERM,
+                # a preemption notice, and may keep running), then _stop_all kills the rest
+                if all(c is not None for c in codes):
+                    break
+                if time.monotonic() - stopping["at"] > GRACE_SECONDS:
+                    break
+                time.sleep(0.05)
+                continue
             bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if bad and stopping["signal"] is not None:
-                break  # the ranks stopped because the launcher forwarded a signal to them
             if bad and failed is None:
                 # its peers may fail a moment later, from the broken connection: let the
                 # first traceback or signal death come in before naming one
@@ -243,14 +251,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 break
             if all(c is not None for c in codes):
                 break
-            # JAX processes catch SIGTERM (preemption notice) and may keep running:
-            # after the grace period, _stop_all escalates to SIGKILL
-            if stopping["signal"] is not None and time.monotonic() - stopping["at"] > GRACE_SECONDS:
-                break
             time.sleep(0.05)
     finally:
         if failed is not None or stopping["signal"] is not None:
-            _stop_all(procs)
+            # a forwarded signal already had its grace period: straight to SIGKILL
+            _stop_all(procs, forwarded=failed is None and stopping["signal"] is not None)
         for s, h in old.items():
             signal.signal(s, h)
         for t in pumps:
@@ -272,8 +277,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _stop_all(procs: list[subprocess.Popen]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+def _stop_all(procs: list[subprocess.Popen], forwarded: bool = False) -> None:
+    for sig in (signal.SIGKILL,) if forwarded else (signal.SIGTERM, signal.SIGKILL):
         for p in procs:
             if p.poll() is None:
                 try:
