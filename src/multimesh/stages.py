@@ -12,6 +12,7 @@ signature compiles nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -207,6 +208,7 @@ class Lowered(_ArgsInfo):
                 len(prog.outvars) - len(out_shardings)
             )
         self.input_infos: list[InputInfo] = [analyze(x, labels.targets, stage_axis) for x in flat]
+        names = functools.cache(lambda: fn._signature.leaf_names(call))
         for k, pinned in enumerate(fn._pinned(labels, call, flat)):
             if pinned is not None and (pinned[1] or self.input_infos[k].mode == "put"):
                 # a host value (or an array on other devices) whose in_shardings names
@@ -214,7 +216,7 @@ class Lowered(_ArgsInfo):
                 self.input_infos[k] = InputInfo(frozenset({pinned[0]}), "put")
             elif pinned is None and put_sh[k] is not None:
                 self.input_infos[k] = _moved_to_in_sharding(
-                    self.input_infos[k], flat[k], put_sh[k], labels, fn._signature.leaf_names(call)[k]
+                    self.input_infos[k], flat[k], put_sh[k], labels, lambda k=k: names()[k]
                 )
         self.input_infos += [_piece_info(p) for _j, p in sorted(self._pieces.items())]
         default = (
@@ -882,7 +884,7 @@ class CostAnalysis(dict):
 
 
 def _moved_to_in_sharding(
-    info: InputInfo, x: Any, put: Callable[[int], Any], labels: Labels, name: str
+    info: InputInfo, x: Any, put: Callable[[int], Any], labels: Labels, name: Callable[[], str]
 ) -> InputInfo:
     """A committed argument whose ``in_shardings`` entry is a ``PartitionSpec`` (or a
     global-mesh ``NamedSharding``) in another layout than it has is put in that layout
@@ -904,7 +906,7 @@ def _moved_to_in_sharding(
         return info
     if jax.process_count() > 1:
         raise ValueError(
-            f"in_shardings for argument {name}: the argument is committed in another layout "
+            f"in_shardings for argument {name()}: the argument is committed in another layout "
             f"({have}) than in_shardings gives; a multi-process run cannot move a committed "
             "array for you: pass it uncommitted (a host value) or in that layout."
         )
