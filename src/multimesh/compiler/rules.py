@@ -56,7 +56,7 @@ class Rules:
         self.names: list[str] = []
         for key, target in rules.items():
             if isinstance(key, re.Pattern) and isinstance(key.pattern, str):
-                pat, rx = key.pattern, key  # precompiled: named by its pattern text
+                pat, rx = key.pattern, key  # precompiled (messages name it by its repr)
             elif isinstance(key, str):
                 pat = key
                 try:
