@@ -117,7 +117,9 @@ def test_two_processes_match_one(baseline, tmp_path):
     # each process compiled its own fragments only (not the other's: known layouts)
     assert proc.stdout.count("compiled own fragments, skipped") == 2, proc.stdout[-2000:]
     # a data-parallel pipeline (layouts known only after compiling) on 2 compile threads
-    assert proc.stdout.count("sharded pipeline ok, compiled on 2 threads") == 2, proc.stdout[-2000:]
+    assert proc.stdout.count("sharded pipeline ok, compiled on 2 threads") == 2, proc.stdout[
+        -2000:
+    ]
 
 
 def test_processes_that_plan_differently_get_a_clear_error(tmp_path):
@@ -461,25 +463,15 @@ def test_rank_0_failing_is_named_not_the_rank_aborted_after_it(tmp_path):
         "time.sleep(60)\n"
     )
     proc = run(
-        [
-            sys.executable,
-            "-m",
-            "multimesh.launch",
-            "--nproc",
-            "2",
-            "--devices-per-process",
-            "1",
-            str(script),
-        ],
+        [sys.executable, "-m", "multimesh.launch", "--nproc", "2", "--devices-per-process",
+         "1", str(script)],
         timeout=120,
     )
     assert proc.returncode != 0
     assert "multimesh.launch: rank 0 exited with code 1" in proc.stderr, output_tail(proc)
 
 
-@pytest.mark.parametrize(
-    "reply", [b"", b'{"index": [[[0, 4]]], "dtype": "<f4", "sizes": [16]}\n\0\0']
-)
+@pytest.mark.parametrize("reply", [b"", b'{"index": [[[0, 4]]], "dtype": "<f4", "sizes": [16]}\n\0\0'])
 def test_to_host_names_a_peer_that_dies_mid_reply(monkeypatch, reply):
     """A peer exiting while it answers (no reply, or part of a piece): the error names
     it (was a reshape error of 0 bytes, or a bare ConnectionResetError)."""

@@ -353,11 +353,6 @@ def relocate_compiled(compiled: Any, mapping: dict[int, Any]) -> Any:
         backend=backend,
     )
     device_list = _xc.DeviceList(tuple(dst))
-    try:
-        data, in_tree, out_tree = _se.serialize(compiled)
-    except Exception as e:  # noqa: BLE001 - XLA:CPU cannot serialize some programs
-        # (a sort's comparator that has run: "`LessThan` is not serializable")
-        raise ValueError(f"this executable cannot be serialized ({e})") from e
 
     class _Unpickler(_se._JaxPjrtUnpickler):
         def persistent_load(self, pid: Any) -> Any:
@@ -370,19 +365,18 @@ def relocate_compiled(compiled: Any, mapping: dict[int, Any]) -> Any:
             return super().persistent_load(pid)
 
     try:
+        data, in_tree, out_tree = _se.serialize(compiled)
         loaded = _Unpickler(io.BytesIO(data), backend, dst).load()
+        if len(loaded) == 3:  # jax < 0.12.1
+            (moved, args_info_flat, no_kwargs), const_args = loaded, []
+        else:  # (version, executable, args info, no_kwargs, constants)
+            _version, moved, args_info_flat, no_kwargs, const_args = loaded[:5]
+        exe = moved.load()
     except ValueError:
         raise
-    except Exception as e:  # noqa: BLE001 - what XLA cannot load back is compiled instead
-        raise ValueError(f"this executable cannot be loaded for other devices ({e})") from e
-    if len(loaded) == 3:  # jax < 0.12.1
-        (moved, args_info_flat, no_kwargs), const_args = loaded, []
-    else:  # (version, executable, args info, no_kwargs, constants)
-        _version, moved, args_info_flat, no_kwargs, const_args = loaded[:5]
-    try:
-        exe = moved.load()
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"this executable cannot be loaded for other devices ({e})") from e
+    except Exception as e:  # noqa: BLE001 - what XLA cannot move is compiled instead
+        # (XLA:CPU cannot serialize a sort that has run: "`LessThan` is not serializable")
+        raise ValueError(f"this executable cannot be moved to other devices ({e})") from e
     return jax.stages.Compiled(
         exe,
         list(const_args),

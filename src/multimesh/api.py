@@ -348,11 +348,8 @@ class MpmdFunction:
             check_no_stage_axis(s, stage_axis, f"in_shardings for argument {name}")
             what = f"in_shardings for argument {name}: {s}"
             check_spec_rank(s, getattr(x, "shape", ()), what, "argument")
-            if isinstance(s, NamedSharding):
-                try:  # as jax.jit, also for an argument the program does not use
-                    s.shard_shape(tuple(getattr(x, "shape", ())))
-                except ValueError as e:  # jax's IndivisibleError keeps its type
-                    raise type(e)(f"in_shardings for argument {name}: {e}") from None
+            if isinstance(s, NamedSharding):  # as jax.jit, also for an unused argument
+                _check_divides(s, tuple(getattr(x, "shape", ())), f"in_shardings for argument {name}", ())
 
         global_ids = (
             frozenset(int(d.id) for d in mmesh.mesh.devices.flat) if mmesh is not None else None
@@ -673,10 +670,10 @@ def _check_sharding_tree(tree: Any, what: str) -> None:
 
 
 def _check_divides(s: Any, shape: tuple[int, ...], what: str, targets: Sequence[Any]) -> None:
-    """As jax.jit, before compiling: an ``out_shardings`` entry that does not divide its
-    output is jax's ``IndivisibleError``, naming the output (it named a line of
-    MultiMesh's compile). A bare spec is refused only if no mesh the program runs on
-    with its axes could make that output so."""
+    """As jax.jit, before compiling: a sharding that does not divide its value is jax's
+    ``IndivisibleError`` (a ``ValueError``), named by ``what`` (an output's named a line
+    of MultiMesh's compile). A bare spec is refused only if no mesh of ``targets`` with
+    its axes could lay the value out so."""
     if isinstance(s, PartitionSpec):
         meshes = [t.mesh for t in targets if spec_axes(s) <= set(t.mesh.axis_names)]
         cands = [NamedSharding(m, s) for m in meshes]

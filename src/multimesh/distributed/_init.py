@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from multimesh import _compat
+from multimesh.runtime import crossproc
 from multimesh.runtime.crossproc import LayoutError as LayoutError
 
 _compat.register_exclusion(__file__)
@@ -128,15 +129,14 @@ def process_map(mmesh: Any = None) -> str:
 
 
 def check_layout(mmesh: Any, stages: Sequence[int] | None = None) -> None:
-    """Raise a clear ``mm.distributed.LayoutError`` (a ``ValueError``) now if the processes' devices split ``mmesh``'s
-    submeshes (all, or ``stages``) in a way multi-process runs do not support; ``mm.jit``
-    checks the submeshes a program uses at its first call. Supported: a process holds
-    whole submeshes, or a submesh is split evenly over processes that hold no other
-    submesh's devices. A no-op in a single process."""
+    """Raise ``mm.distributed.LayoutError`` (a ``ValueError``) now if the processes'
+    devices split ``mmesh``'s submeshes (all, or ``stages``) in a way multi-process runs
+    do not support; ``mm.jit`` checks the submeshes a program uses at its first call.
+    Supported: a process holds whole submeshes, or a submesh is split evenly over
+    processes that hold no other submesh's devices. Nothing to check in one process."""
     import types
 
     from multimesh.mesh import MultiMesh
-    from multimesh.runtime import crossproc
 
     if not isinstance(mmesh, MultiMesh):
         raise TypeError(f"check_layout takes a MultiMesh, got {type(mmesh).__name__}.")

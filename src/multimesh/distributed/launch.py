@@ -188,7 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         procs.append(proc)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, rank, out, tracebacks), daemon=True)
+            t = threading.Thread(
+                target=_pump, args=(stream, rank, out, tracebacks), daemon=True
+            )
             t.start()
             pumps.append(t)
 
