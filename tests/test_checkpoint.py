@@ -384,3 +384,70 @@ def test_a_missing_index_part_is_named(tmp_path, part):
     shutil.rmtree(gone) if gone.is_dir() else gone.unlink()
     with pytest.raises(ValueError, match=rf"lists no arrays \({part} missing or empty in "):
         mm.checkpoint.restore(path, {"a": jnp.zeros(4)})
+
+
+def test_a_crash_while_pruning_leaves_no_step_and_no_refusal(tmp_path, caplog):
+    """A process killed while Orbax pruned an old step (max_to_keep) leaves the step's
+    folder holding only data chunks: Orbax removes its markers and metadata first. The
+    manager refused the directory as holding foreign folders; it now goes on from the
+    newest complete step, and the next pruning removes the remnant (found by a probe:
+    SIGKILL 0.15 s into save(2) with max_to_keep=1)."""
+    import shutil
+
+    d = tmp_path / "ck"
+    with mm.checkpoint.CheckpointManager(d, max_to_keep=1) as m:
+        m.save(1, {"a": jnp.ones(4)})
+        m.wait_until_finished()
+        shutil.copytree(d / "1", tmp_path / "1.bak")
+        m.save(2, {"a": jnp.full(4, 2.0)})
+        m.wait_until_finished()
+    shutil.move(tmp_path / "1.bak", d / "1")
+    for root, _dirs, files in os.walk(d / "1"):  # what the kill left: the chunks only
+        for f in files:
+            if Path(root).name != "d":
+                os.remove(Path(root) / f)
+    assert any(files for _r, _d, files in os.walk(d / "1"))
+    assert mm.checkpoint.saved_steps(d) == [2] and mm.checkpoint.foreign_steps(d) == []
+    with caplog.at_level(logging.WARNING):
+        m = mm.checkpoint.CheckpointManager(d, max_to_keep=1)
+    assert not [r for r in caplog.records if "Metadata file does not exist" in r.getMessage()]
+    with m:
+        assert m.latest_step() == 2 and m.all_steps() == [2]
+        np.testing.assert_array_equal(m.restore(target={"a": jnp.zeros(4)})["a"], np.full(4, 2.0))
+        with pytest.raises(FileNotFoundError, match=r"complete steps: \[2\]"):
+            m.restore(1, target={"a": jnp.zeros(4)})
+        assert m.save(3, {"a": jnp.full(4, 3.0)})
+        m.wait_until_finished()
+        assert m.all_steps() == [3]
+    assert sorted(os.listdir(d)) == ["3"]
+    # a numbered folder holding anything else is still someone else's
+    (d / "5" / "default" / "d").mkdir(parents=True)
+    (d / "5" / "default" / "notes.txt").write_text("user data")
+    assert mm.checkpoint.foreign_steps(d) == ["5"]
+
+
+def test_saving_deleted_arrays_names_them(tmp_path):
+    """Arrays a jitted call consumed (donated): JAX's bare "Array has been deleted" from
+    inside Orbax, and Orbax's background threads logging tracebacks (found by a probe);
+    now a ValueError naming the leaves, before anything is written."""
+    w = jnp.ones(4)
+    jax.jit(lambda w: w * 2, donate_argnums=0)(w)
+    state = {"params": {"w": w, "b": jnp.zeros(2)}}
+    with pytest.raises(ValueError, match=r"\['params'\]\['w'\] has been deleted \(donated"):
+        mm.checkpoint.save(tmp_path / "a", state)
+    assert not (tmp_path / "a").exists()
+    with mm.checkpoint.CheckpointManager(tmp_path / "m") as m:
+        with pytest.raises(ValueError, match=r"\['params'\]\['w'\] has been deleted"):
+            m.save(1, state)
+        assert m.save(1, {"params": {"w": jnp.ones(4), "b": jnp.zeros(2)}})
+        m.wait_until_finished()
+        assert m.all_steps() == [1]
+
+
+def test_an_older_step_names_a_later_save_still_in_flight(tmp_path):
+    """Saving an older step while a later save runs: the message listed the later steps
+    to delete as [] (the running save is not a complete step; found by a probe)."""
+    with mm.checkpoint.CheckpointManager(tmp_path / "m") as m:
+        assert m.save(5, {"w": jnp.ones(1 << 16)})
+        with pytest.raises(ValueError, match=r"step 3 is older .* for each of \[5\]"):
+            m.save(3, {"w": jnp.ones(4)})

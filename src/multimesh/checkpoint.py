@@ -479,11 +479,24 @@ def _digest(x: Any) -> str:
 
 
 def _check_has_leaves(state: Any, what: str) -> None:
-    if not jax.tree_util.tree_leaves(state):
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    if not leaves:
         raise ValueError(
             f"{what}: the state has no values ({type(state).__name__} with no leaves: None "
             "or an empty pytree); there is nothing to save. Pass the pytree of arrays to "
             "keep (e.g. (params, opt_state))."
+        )
+    gone = [
+        jax.tree_util.keystr(k) or "the state"
+        for k, x in leaves
+        if isinstance(x, jax.Array) and x.is_deleted()
+    ]
+    if gone:
+        raise ValueError(
+            f"{what}: {', '.join(gone[:12])}{f' and {len(gone) - 12} more' if len(gone) > 12 else ''} "
+            f"{'has' if len(gone) == 1 else 'have'} been deleted "
+            "(donated to a jitted call, or deleted by hand): save the arrays that call "
+            "returned instead."
         )
 
 
@@ -529,12 +542,14 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _without_orbax_notice(missing: str) -> Any:
-    """Drop Orbax's "Metadata file does not exist: <missing>" log line: a manager step's
-    metadata file sits beside its ``default`` folder, which is read as one checkpoint."""
+def _without_orbax_notice(*missing: str) -> Any:
+    """Drop Orbax's "Metadata file does not exist: <missing>" log lines: a manager step's
+    metadata file sits beside its ``default`` folder, which is read as one checkpoint; a
+    half-deleted step has none."""
 
     def keep(record: logging.LogRecord) -> bool:
-        return missing not in record.getMessage()
+        text = record.getMessage()
+        return not any(m in text for m in missing)
 
     log = logging.getLogger("absl")
     log.addFilter(keep)
@@ -562,6 +577,26 @@ def _is_step(p: Path) -> bool:
     )
 
 
+#: names of the data Orbax writes inside a step's item folders (OCDBT chunks, their
+#: manifests, per-process array metadata and shardings)
+_ORBAX_DATA = ("d", "array_metadatas", "manifest.ocdbt", "_sharding", "descriptor")
+
+
+def _is_remnant(p: Path) -> bool:
+    """A numbered folder Orbax was deleting when the process died (pruning removes a
+    step's metadata and markers before its data): nothing left in it but Orbax's data
+    layout, or nothing at all. Not a step, and not someone else's folder."""
+    for root, _dirs, files in os.walk(p):
+        rel = Path(root).relative_to(p).parts
+        for f in files:
+            names = (*rel[1:], f)  # below the item folder (``default``)
+            if not rel or not any(
+                n in _ORBAX_DATA or n.startswith("ocdbt.process_") for n in names
+            ):
+                return False
+    return True
+
+
 def saved_steps(directory: str | os.PathLike) -> list[int]:
     """The steps a :class:`CheckpointManager` directory holds, read from the file system
     alone (no Orbax, no coordination between processes): e.g. to refuse, before training,
@@ -580,14 +615,18 @@ def foreign_steps(directory: str | os.PathLike) -> list[str]:
         return []
     out = []
     for p in sorted(directory.iterdir()):
-        if p.is_dir() and p.name.isdigit() and not _is_step(p):
+        if p.is_dir() and p.name.isdigit() and not _is_step(p) and not _is_remnant(p):
             out.append(p.name)
     return out
 
 
 class CheckpointManager:
     """Numbered checkpoints in ``directory``: asynchronous saves, the latest complete
-    step on restore, old steps pruned (``max_to_keep``)."""
+    step on restore, old steps pruned (``max_to_keep``: the newest that many complete
+    steps stay; ``None`` keeps all). With ``save_interval_steps=N`` a save happens for the
+    first step saved in a directory holding none and then for steps that are multiples of ``N``
+    (Orbax's rule); ``save`` returns whether it saved. A step whose save or deletion a
+    crash interrupted is not a step: the manager goes on from the newest complete one."""
 
     def __init__(
         self,
@@ -621,8 +660,19 @@ class CheckpointManager:
             create=True,
         )
         self._ocp = ocp
-        # the handler is named up front, so a new process can read existing steps' metadata
-        self._m = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handler())
+        # steps whose deletion a crash interrupted: Orbax lists them (and prunes them in
+        # turn) but logs that their metadata is missing
+        remnants = [
+            str(p / "_CHECKPOINT_METADATA")
+            for p in (self.directory.iterdir() if self.directory.is_dir() else ())
+            if p.is_dir() and p.name.isdigit() and not _is_step(p)
+        ]
+        with _without_orbax_notice(*remnants) if remnants else contextlib.nullcontext():
+            # the handler is named up front, so a new process can read existing steps'
+            # metadata
+            self._m = ocp.CheckpointManager(
+                self.directory, options=options, item_handlers=_handler()
+            )
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         """Start saving ``state`` as ``step`` (returns at once when asynchronous; the
@@ -634,12 +684,13 @@ class CheckpointManager:
         _check_has_leaves(state, "CheckpointManager.save")
         latest = self._m.latest_step()
         if latest is not None and step < latest:
+            # Orbax's steps: the complete ones, one still being saved, a half-deleted one
+            later = sorted({int(s) for s in self._m.all_steps() if int(s) > step})
             raise ValueError(
                 f"step {step} is older than the latest checkpoint in {self.directory} "
                 f"(step {latest}): Orbax keeps steps in order and would drop this save. To "
                 f"go on from an earlier step, delete the later ones first "
-                f"(manager.delete(step) for each of {[s for s in self.all_steps() if s > step]}) "
-                "or save to another directory."
+                f"(manager.delete(step) for each of {later}) or save to another directory."
             )
         if force and (step == latest or step in self.all_steps()):
             raise ValueError(  # Orbax's own error does not say what to do
@@ -675,11 +726,11 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def all_steps(self) -> Sequence[int]:
-        """The complete steps, oldest first: those on disk too (Orbax forgets a step it
-        will prune as soon as the save that replaces it starts, while that step is still
-        the newest complete one)."""
-        known = {int(s) for s in self._m.all_steps() if (self.directory / str(s)).is_dir()}
-        return sorted(known | set(saved_steps(self.directory)))
+        """The complete steps, oldest first, read from disk: Orbax's own list forgets a
+        step it will prune as soon as the save that replaces it starts (while that step
+        is still the newest complete one) and keeps a step whose deletion a crash
+        interrupted."""
+        return saved_steps(self.directory)
 
     def restore(self, step: int | None = None, *, target: Any) -> Any:
         """Read ``step`` (default: the latest complete one) into ``target``'s layout."""
