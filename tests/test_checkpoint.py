@@ -298,6 +298,9 @@ def test_manager_refuses_what_it_would_lose(tmp_path, caplog):
     with pytest.raises(ValueError, match=r"numbered folders that are not checkpoints \(\['7'\]\)"):
         mm.checkpoint.CheckpointManager(foreign, max_to_keep=1)
     assert (foreign / "7" / "results.csv").exists()
+    mm.checkpoint.save(tmp_path / "one", {"w": jnp.ones(2)})  # it said latest_step() None
+    with pytest.raises(ValueError, match=r"is one checkpoint \(as mm.checkpoint.save writes\)"):
+        mm.checkpoint.CheckpointManager(tmp_path / "one")
 
     # 0 would delete every step at once / divide by zero inside Orbax's save policy
     with pytest.raises(ValueError, match=r"max_to_keep=0\): give an integer >= 1"):

@@ -646,6 +646,12 @@ class CheckpointManager:
                 f"{self.directory} is a file, not a directory: give CheckpointManager a "
                 "directory of its own for checkpoints"
             )
+        if any((self.directory / m).exists() for m in ("_METADATA", "_CHECKPOINT_METADATA")):
+            raise ValueError(  # steps would be written beside it, and it would never restore
+                f"{self.directory} is one checkpoint (as mm.checkpoint.save writes), not a "
+                "directory of numbered steps: read it with mm.checkpoint.restore, and give "
+                "CheckpointManager a directory of its own."
+            )
         foreign = foreign_steps(self.directory)
         if foreign:
             raise ValueError(
