@@ -336,6 +336,9 @@ def test_manager_refuses_what_it_would_lose(tmp_path, caplog):
         with pytest.raises(TypeError, match="must be an int"):  # was "no step 1 ... [1, 3]"
             m.restore("1", target={"w": jnp.zeros(2)})
     np.testing.assert_array_equal(got["w"], [30.0, 30.0])
+    with pytest.raises(RuntimeError, match=r"\.save\(9\): the manager is closed"):
+        m.save(9, {"w": jnp.zeros(2)})  # was Orbax's "cannot schedule new futures"
+    assert m.latest_step() == 3  # reading still works
     # a manager's step folder (what multimesh-run writes) read by restore(): was "lists no
     # arrays ... corrupt"
     with caplog.at_level(logging.WARNING):

@@ -666,6 +666,7 @@ class CheckpointManager:
             create=True,
         )
         self._ocp = ocp
+        self._closed = False
         # steps whose deletion a crash interrupted: Orbax lists them (and prunes them in
         # turn) but logs that their metadata is missing
         remnants = [
@@ -687,6 +688,7 @@ class CheckpointManager:
         step already saved (a final save after the loop's last one; its old values stay:
         ``delete(step)`` first to replace them)."""
         step = _step_number(step)
+        self._check_open(f"save({step})")
         _check_has_leaves(state, "CheckpointManager.save")
         latest = self._m.latest_step()
         if latest is not None and step < latest:
@@ -713,6 +715,7 @@ class CheckpointManager:
     def delete(self, step: int) -> None:
         """Delete the checkpoint of ``step`` (e.g. steps after the one a run went back
         to)."""
+        self._check_open(f"delete({step})")
         self.wait_until_finished()
         self._m.delete(_step_number(step))
 
@@ -790,7 +793,18 @@ class CheckpointManager:
         self._m.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for the save in flight and stop the manager's threads; it can still
+        restore and list steps, not save or delete."""
+        self._closed = True
         self._m.close()
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"CheckpointManager({str(self.directory)!r}).{what}: the manager is closed "
+                "(its `with` block ended, or close() was called); open a new one for the "
+                "directory."
+            )
 
     def __enter__(self) -> CheckpointManager:
         return self
