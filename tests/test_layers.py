@@ -62,13 +62,19 @@ def assert_stage_sharded(a, mmesh):
     assert a.sharding.is_equivalent_to(NamedSharding(mmesh.mesh, P("stage")), a.ndim)
 
 
-@pytest.mark.parametrize("explicit", [True, False])
-def test_scanned_layers_on_four_stages(explicit, mesh4x2):
+@pytest.mark.parametrize(
+    "explicit,m", [(True, None), (False, None), (False, 2)], ids=["task", "rule", "rule-mb"]
+)
+def test_scanned_layers_on_four_stages(explicit, m, mesh4x2, recwarn):
+    """By an explicit task or a by-layer rule; the rule inside mm.microbatch placed
+    nothing (everything on stage 0, and a warning calling the microbatches' scopes
+    explicit tasks; found by a probe)."""
     ws, x, y = data()
-    step = sgd_step(lambda w, a, b: scanned(w, a, b, explicit))
+    step = sgd_step(lambda w, a, b: scanned(w, a, b, explicit), m)
     rules = None if explicit else {"layers": mm.by_layer()}
     f = mm.jit(step, mesh=mesh4x2, task_rules=rules)
     plan = f.lower(ws, x, y).plan
+    assert not [w for w in recwarn if "task_rules" in str(w.message)]
     assert sorted({fr.stage for fr in plan.fragments}) == [0, 1, 2, 3]
     mw, rw = train_both(f, step, mesh4x2, ws, x, y, 3)
     assert_close(mw, rw, rtol=1e-5, atol=1e-6)

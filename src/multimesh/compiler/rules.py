@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from multimesh import _compat
-from multimesh.tasks import MARKER, ByLayer, TaskRef
+from multimesh.tasks import MARKER, ByLayer, TaskRef, decode_marker
 
 _compat.register_exclusion(__file__)
 
@@ -172,9 +172,11 @@ class Rules:
         for sub in _sub_jaxprs(params):
             for e in sub.eqns:
                 scopes = outer + _compat.scope_names(e.source_info.name_stack)
-                task = next((sc for sc in reversed(scopes) if MARKER in sc), None)
-                if task is not None:  # an explicit task's code (in a loop body): it wins
-                    self.overridden(scopes, task.split(MARKER)[0])
+                # an explicit task's code (in a loop body) wins; not a microbatch's scope
+                # (``mb0@mm:L0``), which marks no task
+                task = next((r for sc in reversed(scopes) if (r := decode_marker(sc))), None)
+                if task is not None:
+                    self.overridden(scopes, task.name)
                     continue
                 ref = self.match(scopes, limit)
                 if ref is not None:
