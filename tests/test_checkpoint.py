@@ -428,8 +428,11 @@ def test_a_crash_while_pruning_leaves_no_step_and_no_refusal(tmp_path, caplog):
     assert sorted(os.listdir(d)) == ["3"]
     # a numbered folder holding anything else is still someone else's
     (d / "5" / "default" / "d").mkdir(parents=True)
-    (d / "5" / "default" / "notes.txt").write_text("user data")
-    assert mm.checkpoint.foreign_steps(d) == ["5"]
+    (d / "5" / "default" / "d" / "results.csv").write_text("user data")
+    (d / "6" / "default" / "d").mkdir(parents=True)
+    (d / "6" / "default" / "d" / ("0" * 32)).write_text("a chunk")
+    (d / "6" / "notes.txt").write_text("user data")
+    assert mm.checkpoint.foreign_steps(d) == ["5", "6"]
 
 
 def test_saving_deleted_arrays_names_them(tmp_path):

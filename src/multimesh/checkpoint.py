@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -577,22 +578,23 @@ def _is_step(p: Path) -> bool:
     )
 
 
-#: names of the data Orbax writes inside a step's item folders (OCDBT chunks, their
-#: manifests, per-process array metadata and shardings)
-_ORBAX_DATA = ("d", "array_metadatas", "manifest.ocdbt", "_sharding", "descriptor")
+#: files Orbax writes inside a step's item folder (``default``), as paths below it: OCDBT
+#: chunks and manifests (per process), array metadata, shardings
+_ORBAX_DATA = re.compile(
+    r"(ocdbt\.process_\d+/)?(d/[0-9a-f]{32}|manifest\.ocdbt)"
+    r"|_sharding|_METADATA|commit_success\.txt|array_metadatas/process_\d+"
+)
 
 
 def _is_remnant(p: Path) -> bool:
     """A numbered folder Orbax was deleting when the process died (pruning removes a
-    step's metadata and markers before its data): nothing left in it but Orbax's data
-    layout, or nothing at all. Not a step, and not someone else's folder."""
+    step's metadata and markers before its data): nothing left in it but files of
+    Orbax's layout inside item folders, or nothing at all. Not a step, and not someone
+    else's folder (any other file makes it one)."""
     for root, _dirs, files in os.walk(p):
         rel = Path(root).relative_to(p).parts
         for f in files:
-            names = (*rel[1:], f)  # below the item folder (``default``)
-            if not rel or not any(
-                n in _ORBAX_DATA or n.startswith("ocdbt.process_") for n in names
-            ):
+            if not rel or not _ORBAX_DATA.fullmatch("/".join((*rel[1:], f))):
                 return False
     return True
 
