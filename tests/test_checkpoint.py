@@ -392,47 +392,61 @@ def test_a_missing_index_part_is_named(tmp_path, part):
         mm.checkpoint.restore(path, {"a": jnp.zeros(4)})
 
 
-def test_a_crash_while_pruning_leaves_no_step_and_no_refusal(tmp_path, caplog):
-    """A process killed while Orbax pruned an old step (max_to_keep) leaves the step's
-    folder holding only data chunks: Orbax removes its markers and metadata first. The
-    manager refused the directory as holding foreign folders; it now goes on from the
-    newest complete step, and the next pruning removes the remnant (found by a probe:
-    SIGKILL 0.15 s into save(2) with max_to_keep=1)."""
+def test_deleting_a_step_is_one_rename(tmp_path, monkeypatch):
+    """Orbax deletes a step in place, file by file in listing order: a process killed
+    while it pruned left a numbered folder holding a step's data without its markers,
+    which blocked the directory (refused as someone else's folder), or with its item's
+    `_METADATA` still there, listed as the latest step and unreadable (found by probes:
+    SIGKILL during pruning, and a replay of rmtree stopped at each of its operations).
+    The manager now moves a step aside in one rename (a crash leaves it complete, in
+    place or aside) and removes it after."""
+    d = tmp_path / "ck"
+    with monkeypatch.context() as mp:  # what a crash before the removal leaves
+        mp.setattr(mm.checkpoint.CheckpointManager, "_purge", lambda self: None)
+        with mm.checkpoint.CheckpointManager(d, max_to_keep=1) as m:
+            for s in (1, 2, 3):
+                m.save(s, {"a": jnp.full(4, float(s))})
+            m.wait_until_finished()
+            assert m.all_steps() == [3]
+            m.delete(3)
+            assert m.all_steps() == []
+        aside = d / ".deleted-steps"
+        assert sorted(os.listdir(aside)) == ["1", "2", "3"]
+        assert all((aside / s / "_CHECKPOINT_METADATA").exists() for s in "123")
+    with mm.checkpoint.CheckpointManager(d, max_to_keep=1) as m:
+        assert not aside.exists() and m.latest_step() is None
+        assert m.save(4, {"a": jnp.full(4, 4.0)})
+        assert m.save(5, {"a": jnp.full(4, 5.0)})
+        m.wait_until_finished()
+        assert sorted(os.listdir(d)) == ["5"]
+        np.testing.assert_array_equal(m.restore(target={"a": jnp.zeros(4)})["a"], np.full(4, 5.0))
+
+
+def test_a_half_deleted_step_is_named(tmp_path):
+    """A folder an in-place deletion left (older versions, other tools): refused with
+    what it is and what to do; a numbered folder holding anything else is someone
+    else's."""
     import shutil
 
     d = tmp_path / "ck"
-    with mm.checkpoint.CheckpointManager(d, max_to_keep=1) as m:
+    with mm.checkpoint.CheckpointManager(d) as m:
         m.save(1, {"a": jnp.ones(4)})
-        m.wait_until_finished()
-        shutil.copytree(d / "1", tmp_path / "1.bak")
         m.save(2, {"a": jnp.full(4, 2.0)})
-        m.wait_until_finished()
-    shutil.move(tmp_path / "1.bak", d / "1")
-    for root, _dirs, files in os.walk(d / "1"):  # what the kill left: the chunks only
+    for root, _dirs, files in os.walk(d / "1"):  # the chunks only
         for f in files:
             if Path(root).name != "d":
                 os.remove(Path(root) / f)
     assert any(files for _r, _d, files in os.walk(d / "1"))
-    assert mm.checkpoint.saved_steps(d) == [2] and mm.checkpoint.foreign_steps(d) == []
-    with caplog.at_level(logging.WARNING):
-        m = mm.checkpoint.CheckpointManager(d, max_to_keep=1)
-    assert not [r for r in caplog.records if "Metadata file does not exist" in r.getMessage()]
-    with m:
-        assert m.latest_step() == 2 and m.all_steps() == [2]
-        np.testing.assert_array_equal(m.restore(target={"a": jnp.zeros(4)})["a"], np.full(4, 2.0))
-        with pytest.raises(FileNotFoundError, match=r"complete steps: \[2\]"):
-            m.restore(1, target={"a": jnp.zeros(4)})
-        assert m.save(3, {"a": jnp.full(4, 3.0)})
-        m.wait_until_finished()
-        assert m.all_steps() == [3]
-    assert sorted(os.listdir(d)) == ["3"]
-    # a numbered folder holding anything else is still someone else's
-    (d / "5" / "default" / "d").mkdir(parents=True)
-    (d / "5" / "default" / "d" / "results.csv").write_text("user data")
-    (d / "6" / "default" / "d").mkdir(parents=True)
-    (d / "6" / "default" / "d" / ("0" * 32)).write_text("a chunk")
-    (d / "6" / "notes.txt").write_text("user data")
-    assert mm.checkpoint.foreign_steps(d) == ["5", "6"]
+    assert mm.checkpoint.saved_steps(d) == [2] and mm.checkpoint.foreign_steps(d) == ["1"]
+    with pytest.raises(ValueError, match=r"\['1'\] hold only Orbax data files, as a deletion"):
+        mm.checkpoint.CheckpointManager(d)
+    shutil.rmtree(d / "1")
+    for name, files in (("5", {"default/d/results.csv": "x"}), ("6", {"notes.txt": "x"})):
+        for f, text in files.items():
+            (d / name / f).parent.mkdir(parents=True, exist_ok=True)
+            (d / name / f).write_text(text)
+    with pytest.raises(ValueError, match=r"not checkpoints \(\['5', '6'\]\): .* own for checkpoints\.$"):
+        mm.checkpoint.CheckpointManager(d)
 
 
 def test_saving_deleted_arrays_names_them(tmp_path):

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -545,8 +546,7 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
 @contextlib.contextmanager
 def _without_orbax_notice(*missing: str) -> Any:
     """Drop Orbax's "Metadata file does not exist: <missing>" log lines: a manager step's
-    metadata file sits beside its ``default`` folder, which is read as one checkpoint; a
-    half-deleted step has none."""
+    metadata file sits beside its ``default`` folder, which is read as one checkpoint."""
 
     def keep(record: logging.LogRecord) -> bool:
         text = record.getMessage()
@@ -587,16 +587,24 @@ _ORBAX_DATA = re.compile(
 
 
 def _is_remnant(p: Path) -> bool:
-    """A numbered folder Orbax was deleting when the process died (pruning removes a
-    step's metadata and markers before its data): nothing left in it but files of
-    Orbax's layout inside item folders, or nothing at all. Not a step, and not someone
-    else's folder (any other file makes it one)."""
+    """A numbered folder holding only files of Orbax's layout inside item folders: what
+    an in-place deletion a crash interrupted leaves (Orbax's ``rmtree`` removes files in
+    listing order). The manager deletes by renaming, so it no longer leaves these; a
+    message names them."""
+    found = False
     for root, _dirs, files in os.walk(p):
         rel = Path(root).relative_to(p).parts
         for f in files:
             if not rel or not _ORBAX_DATA.fullmatch("/".join((*rel[1:], f))):
                 return False
-    return True
+            found = True
+    return found
+
+
+#: where the manager moves a step it deletes (pruning, ``delete``): one rename, so a
+#: crash never leaves a half-deleted step among the steps; emptied after each save
+#: finishes, and when a manager opens the directory (not a number: never a step)
+_DELETED = ".deleted-steps"
 
 
 def saved_steps(directory: str | os.PathLike) -> list[int]:
@@ -617,7 +625,7 @@ def foreign_steps(directory: str | os.PathLike) -> list[str]:
         return []
     out = []
     for p in sorted(directory.iterdir()):
-        if p.is_dir() and p.name.isdigit() and not _is_step(p) and not _is_remnant(p):
+        if p.is_dir() and p.name.isdigit() and not _is_step(p):
             out.append(p.name)
     return out
 
@@ -627,8 +635,9 @@ class CheckpointManager:
     step on restore, old steps pruned (``max_to_keep``: the newest that many complete
     steps stay; ``None`` keeps all). With ``save_interval_steps=N`` a save happens for the
     first step saved in a directory holding none and then for steps that are multiples of ``N``
-    (Orbax's rule); ``save`` returns whether it saved. A step whose save or deletion a
-    crash interrupted is not a step: the manager goes on from the newest complete one."""
+    (Orbax's rule); ``save`` returns whether it saved. A save a crash interrupted is not
+    a step (the manager goes on from the newest complete one); steps are deleted (pruning,
+    ``delete``) by moving them aside in one rename, then removing them."""
 
     def __init__(
         self,
@@ -656,32 +665,37 @@ class CheckpointManager:
             )
         foreign = foreign_steps(self.directory)
         if foreign:
+            partial = [f for f in foreign if _is_remnant(self.directory / f)]
             raise ValueError(
                 f"{self.directory} holds numbered folders that are not checkpoints "
                 f"({_listed(foreign)}): the manager would take them for steps (and delete "
                 "them when pruning). Use a directory of its own for checkpoints."
+                + (
+                    f" {_listed(partial)} hold only Orbax data files, as a deletion that "
+                    "a crash interrupted leaves them (no longer by this manager, which "
+                    "deletes by renaming): they cannot be restored; delete them."
+                    if partial
+                    else ""
+                )
             )
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             save_interval_steps=save_interval_steps,
             enable_async_checkpointing=async_save,
             create=True,
+            todelete_subdir=_DELETED,
         )
         self._ocp = ocp
         self._closed = False
-        # steps whose deletion a crash interrupted: Orbax lists them (and prunes them in
-        # turn) but logs that their metadata is missing
-        remnants = [
-            str(p / "_CHECKPOINT_METADATA")
-            for p in (self.directory.iterdir() if self.directory.is_dir() else ())
-            if p.is_dir() and p.name.isdigit() and not _is_step(p)
-        ]
-        with _without_orbax_notice(*remnants) if remnants else contextlib.nullcontext():
-            # the handler is named up front, so a new process can read existing steps'
-            # metadata
-            self._m = ocp.CheckpointManager(
-                self.directory, options=options, item_handlers=_handler()
-            )
+        self._purge()
+        # the handler is named up front, so a new process can read existing steps' metadata
+        self._m = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handler())
+
+    def _purge(self) -> None:
+        """Empty the folder deleted steps were moved to (the first process only; the
+        others share its file system or have nothing there)."""
+        if jax.process_index() == 0:
+            shutil.rmtree(self.directory / _DELETED, ignore_errors=True)
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         """Start saving ``state`` as ``step`` (returns at once when asynchronous; the
@@ -694,7 +708,7 @@ class CheckpointManager:
         _check_has_leaves(state, "CheckpointManager.save")
         latest = self._m.latest_step()
         if latest is not None and step < latest:
-            # Orbax's steps: the complete ones, one still being saved, a half-deleted one
+            # Orbax's steps: the complete ones and one still being saved
             later = sorted({int(s) for s in self._m.all_steps() if int(s) > step})
             raise ValueError(
                 f"step {step} is older than the latest checkpoint in {self.directory} "
@@ -710,6 +724,10 @@ class CheckpointManager:
         accept_mpmd_arrays()
         if jax.process_count() > 1:
             self._settle(state, step)
+        if force or self._m.should_save(step):  # Orbax waits for the save in flight (and its
+            # pruning) before this one anyway: what that pruning moved aside goes now
+            self._m.wait_until_finished()
+            self._purge()
         return bool(
             self._m.save(step, args=self._ocp.args.PyTreeSave(_without_empty(state)), force=force)
         )
@@ -720,6 +738,7 @@ class CheckpointManager:
         self._check_open(f"delete({step})")
         self.wait_until_finished()
         self._m.delete(_step_number(step))
+        self._purge()
 
     def _settle(self, state: Any, step: int) -> None:
         """Multi-process: wait until every process's ``state`` is computed, with a host
@@ -793,12 +812,14 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Block until pending asynchronous saves are complete."""
         self._m.wait_until_finished()
+        self._purge()
 
     def close(self) -> None:
         """Wait for the save in flight and stop the manager's threads; it can still
         restore and list steps, not save or delete."""
         self._closed = True
         self._m.close()
+        self._purge()
 
     def _check_open(self, what: str) -> None:
         if self._closed:
