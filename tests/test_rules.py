@@ -204,6 +204,27 @@ def test_unmatched_and_overlapping_rules_warn(mesh4x2):
         mm.jit(loss, mesh=mesh4x2, task_rules=RULES).lower(params, x)
 
 
+def test_overlapping_by_layer_rules_warn_as_overlaps(mesh4x2):
+    """Two by-layer rules matching a scanned body's scope: the loser was reported as
+    matching no scope (found by a probe); it is an overlap, as for stage rules."""
+    ws = jnp.ones((4, 4, 4)) / 4
+
+    def loss(ws, x):
+        def body(h, w):
+            with jax.named_scope("decoder_layers"):
+                return h + jnp.tanh(h @ w), None
+
+        return jnp.mean(jax.lax.scan(body, x, ws)[0] ** 2)
+
+    rules = {"decoder": mm.by_layer(), "layers": mm.by_layer(lambda i, n: n - 1 - i)}
+    with pytest.warns(UserWarning) as rec:
+        lo = mm.jit(jax.grad(loss), mesh=mesh4x2, task_rules=rules).lower(ws, jnp.ones((2, 4)))
+    msgs = [str(w.message) for w in rec]
+    assert any("overlap" in m and "'decoder', 'layers'" in m for m in msgs), msgs
+    assert not any("matched no named scope" in m for m in msgs), msgs
+    assert sorted({f.stage for f in lo.plan.fragments}) == [0, 1, 2, 3]  # the first wins
+
+
 def test_rule_errors(mesh4x2):
     _, params, x, loss = setup()
     with pytest.raises(

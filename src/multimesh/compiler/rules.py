@@ -119,6 +119,7 @@ class Rules:
                     continue
                 if isinstance(target, ByLayer):
                     self.used[i].add(scope)
+                    self._note_overlaps(i, clean, k, scope)
                     ref = TaskRef(scope, None, None, target)
                     break
                 stage = target(m) if callable(target) else target
@@ -146,21 +147,25 @@ class Rules:
                     )
                 self.used[i].add(scope)
                 self.assigned[scope] = stage
-                others = [
-                    j
-                    for j, (p, r, _) in enumerate(self.rules)
-                    if j != i and (_path_match(r, clean, k)[0] if "/" in p else r.search(scope))
-                ]
-                if others:
-                    self.overlaps[scope] = [self.names[j] for j in (i, *others)]
-                    for j in others:  # matched, though another rule won: not unused
-                        self.used[j].add(scope)
+                self._note_overlaps(i, clean, k, scope)
                 ref = TaskRef(scope, stage, None)
                 break
             if ref is not None:
                 break
         self._memo[key] = ref
         return ref
+
+    def _note_overlaps(self, i: int, clean: list[str], k: int, scope: str) -> None:
+        """Rule ``i`` won ``scope`` (``clean[k]``): note the other rules matching it."""
+        others = [
+            j
+            for j, (p, r, _) in enumerate(self.rules)
+            if j != i and (_path_match(r, clean, k)[0] if "/" in p else r.search(clean[k]))
+        ]
+        if others:
+            self.overlaps[scope] = [self.names[j] for j in (i, *others)]
+            for j in others:  # matched, though another rule won: not unused
+                self.used[j].add(scope)
 
     def stages_inside(self, params: dict[str, Any], outer: list[str], limit: int) -> set[TaskRef]:
         """Tasks the rules give equations inside an equation's nested jaxprs (a call,
