@@ -602,8 +602,9 @@ def _is_remnant(p: Path) -> bool:
 
 
 #: where the manager moves a step it deletes (pruning, ``delete``): one rename, so a
-#: crash never leaves a half-deleted step among the steps; emptied after each save
-#: finishes, and when a manager opens the directory (not a number: never a step)
+#: crash never leaves a half-deleted step among the steps; emptied when the next save
+#: starts, on ``delete``/``wait_until_finished``/``close``, and when a manager opens the
+#: directory (not a number: never a step)
 _DELETED = ".deleted-steps"
 
 
@@ -692,10 +693,12 @@ class CheckpointManager:
         self._m = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handler())
 
     def _purge(self) -> None:
-        """Empty the folder deleted steps were moved to (the first process only; the
-        others share its file system or have nothing there)."""
-        if jax.process_index() == 0:
-            shutil.rmtree(self.directory / _DELETED, ignore_errors=True)
+        """Remove the steps moved aside (the first process only: Orbax's deleter runs
+        there). Step by step, never the folder itself: a save in flight may be moving
+        another step into it (one rename: what is there is whole)."""
+        if jax.process_index() == 0 and (self.directory / _DELETED).is_dir():
+            for p in (self.directory / _DELETED).iterdir():
+                shutil.rmtree(p, ignore_errors=True)
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         """Start saving ``state`` as ``step`` (returns at once when asynchronous; the
@@ -724,10 +727,7 @@ class CheckpointManager:
         accept_mpmd_arrays()
         if jax.process_count() > 1:
             self._settle(state, step)
-        if force or self._m.should_save(step):  # Orbax waits for the save in flight (and its
-            # pruning) before this one anyway: what that pruning moved aside goes now
-            self._m.wait_until_finished()
-            self._purge()
+        self._purge()  # what earlier saves' pruning moved aside
         return bool(
             self._m.save(step, args=self._ocp.args.PyTreeSave(_without_empty(state)), force=force)
         )
