@@ -441,6 +441,15 @@ def main() -> None:
         programs = [(which, lambda d: checkpoint_program(d, which == "ckpt-resume"), sys.argv[3])]
     if which == "mismatch":
         mismatched_placement()
+    if which == "static-mismatch":  # n differs: it shows in no plan text (x * n)
+        f = mm.jit(
+            lambda x, n: mm.task(lambda v: v + n, name="b", stage=1)(
+                mm.task(lambda v: v * n, name="a", stage=0)(x)
+            ),
+            mesh=mm.make_mesh((2, 4), ("stage", "data")),
+            static_argnums=1,
+        )
+        f(np.ones(8, np.float32), 3 if jax.process_index() == 1 else 4)
     if which == "plan-timeout":  # only rank 0 calls: it must not wait forever
         os.environ.update(MULTIMESH_PLAN_TIMEOUT="5", MULTIMESH_WAIT_NOTICE="2")
         if jax.process_index() == 0:

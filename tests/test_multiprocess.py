@@ -133,6 +133,16 @@ def test_processes_that_plan_differently_get_a_clear_error(tmp_path):
     assert "uncommitted (placed by the plan)" in text, text[-3000:]
 
 
+def test_processes_passing_other_static_values_get_a_clear_error(tmp_path):
+    """Static arguments that differ between processes without changing the plan's text
+    (a constant factor) ran each stage with its own process's value: a mixed, wrong
+    result (found by a probe). The plans compared now include the static values."""
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "static-mismatch", timeout=240)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "built different plans" in text and "static arguments" in text, text[-3000:]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(1300)  # 8 processes share the cores: minutes on a loaded machine
 @pytest.mark.parametrize("layout", [(2, 4), (4, 2), (8, 1)], ids=["2x4", "4x2", "8x1"])

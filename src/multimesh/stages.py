@@ -275,7 +275,10 @@ class Lowered(_ArgsInfo):
             else f"{ii.mode} on submesh(es) {sorted(ii.loc or ())}"
             for ii in self.input_infos
         ]
-        return _compat.stable_hash(self.plan.as_text()), where, devices
+        text = self.plan.as_text()
+        if jax.process_count() > 1:  # static values need not show in the plan (x * n)
+            text += "\nstatic: " + _portable(self._call.static)
+        return _compat.stable_hash(text), where, devices
 
     def cost_analysis(self) -> CostAnalysis:
         """The compiled program's cost estimates (XLA's per fragment, summed): an MPMD
@@ -322,6 +325,22 @@ class Lowered(_ArgsInfo):
         compiled = Compiled(exe, self, fn)
         fn._register(self._key, compiled)
         return compiled
+
+
+def _portable(x: Any) -> str:
+    """Static argument values as every process spells them alike: plain values by
+    ``repr``, containers of them recursively, anything else by its type (a ``repr``
+    may hold a memory address)."""
+    if x is None or isinstance(x, (bool, int, float, complex, str, bytes, np.generic)):
+        return repr(x)
+    if isinstance(x, type):
+        return f"<class {x.__module__}.{x.__qualname__}>"
+    if isinstance(x, (tuple, list, frozenset, set)):
+        items = sorted(map(_portable, x)) if isinstance(x, (set, frozenset)) else map(_portable, x)
+        return f"{type(x).__name__}({', '.join(items)})"
+    if isinstance(x, dict):
+        return "dict(" + ", ".join(sorted(f"{_portable(k)}: {_portable(v)}" for k, v in x.items())) + ")"
+    return f"<{type(x).__module__}.{type(x).__qualname__}>"
 
 
 def _check_same_plan(
