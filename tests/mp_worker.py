@@ -441,7 +441,21 @@ def main() -> None:
         programs = [(which, lambda d: checkpoint_program(d, which == "ckpt-resume"), sys.argv[3])]
     if which == "mismatch":
         mismatched_placement()
-    if which == "static-mismatch":  # n differs: it shows in no plan text (x * n)
+    if which == "static-mismatch":
+        # out_shardings on the other process's devices: the same clear error on both
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        m = mm.make_mesh((4, 2), ("stage", "data"))  # stages 0, 1 on process 0
+        g = mm.jit(
+            lambda x: mm.task(lambda v: v * 2, name="a", stage=0)(x),
+            mesh=m,
+            out_shardings=NamedSharding(m.submesh(3), PartitionSpec()),
+        )
+        try:
+            g(np.ones(4, np.float32))
+        except ValueError as e:
+            print("out_shardings refused:", str(e).split(". A multi-process")[0], flush=True)
+        # n differs: it shows in no plan text (x * n)
         f = mm.jit(
             lambda x, n: mm.task(lambda v: v + n, name="b", stage=1)(
                 mm.task(lambda v: v * n, name="a", stage=0)(x)

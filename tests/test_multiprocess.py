@@ -136,10 +136,15 @@ def test_processes_that_plan_differently_get_a_clear_error(tmp_path):
 def test_processes_passing_other_static_values_get_a_clear_error(tmp_path):
     """Static arguments that differ between processes without changing the plan's text
     (a constant factor) ran each stage with its own process's value: a mixed, wrong
-    result (found by a probe). The plans compared now include the static values."""
+    result (found by a probe). The plans compared now include the static values.
+    Before that, out_shardings on the other process's devices: JAX's "does not support
+    cross-host device transfers" from some processes only; now the same clear error on
+    every process, before anything runs."""
     proc = launch(2, 4, str(tmp_path / "r.npz"), "static-mismatch", timeout=240)
     assert proc.returncode != 0
     text = proc.stdout + proc.stderr
+    refused = "out_shardings refused: out_shardings of output 0 (flat)"
+    assert text.count(refused) == 2 and "(processes [1]), but stage(s) [0]" in text, text[-3000:]
     assert "built different plans" in text and "static arguments" in text, text[-3000:]
 
 

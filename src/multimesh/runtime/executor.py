@@ -383,6 +383,7 @@ class Executable:
                 )
                 continue
             ids = out_ids[k]
+            out_pass.check_final_move(k, ids, req, slot_sh, slot_stage)
             self.output_shardings.append(
                 out_pass.output_sharding(ids, req, slot_sh, slot_stage, self._stage_axis)
             )

@@ -185,6 +185,39 @@ def output_fn(
     return typed(lambda env: jax.device_put(single(env), final_sh))
 
 
+def check_final_move(
+    k: int,
+    ids: Sequence[int],
+    req: Request,
+    slot_sh: dict[int, jax.sharding.Sharding],
+    slot_stage: dict[int, int],
+) -> None:
+    """Multi-process: an output whose requested sharding (``out_shardings``) would take
+    it to other processes' devices than those that make it is a clear error before
+    anything runs (``jax.device_put`` across processes is JAX's "does not support
+    cross-host device transfers" on CPU, raised by some processes only)."""
+    if req.final is None or jax.process_count() == 1:
+        return
+    if req.replicate and all(slot_stage[i] in req.per_stage for i in ids):
+        return  # replicated over stages: each stage's copy made there (output_fn)
+    shs = [req.per_stage.get(slot_stage[i]) or slot_sh[i] for i in ids]
+    src = {d for sh in shs for d in getattr(sh, "device_set", ())}
+    dst = req.final.device_set
+    procs = {d.process_index for d in src | dst}
+    if src and src != dst and len(procs) > 1:  # a move that crosses processes
+        stages = sorted({slot_stage[i] for i in ids})
+        raise ValueError(
+            f"out_shardings of output {k} (flat): {req.final} puts it on devices "
+            f"{sorted(d.id for d in dst)} (processes "
+            f"{sorted({d.process_index for d in dst})}), but stage(s) {stages} make it on "
+            f"devices {sorted(d.id for d in src)} (processes "
+            f"{sorted({d.process_index for d in src})}). A multi-process run moves values "
+            "between processes inside the program only: request a sharding on the "
+            "devices that make it (its stage's submesh, or the global mesh replicated), "
+            "or compute it in a task on the submesh you want."
+        )
+
+
 def output_sharding(
     ids: Sequence[int],
     req: Request,
