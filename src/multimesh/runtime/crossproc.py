@@ -103,7 +103,8 @@ def check_same_plan(
             timeout_s,
             f"{what} on process {loc.me} has waited {{s:.0f}} s for process {p} to plan the "
             f"same call (its plan number {seq}); every process must call the same mm.jit "
-            "functions in the same order.",
+            "functions in the same order, with arguments of the same shapes (a process "
+            "running a program it compiled before plans nothing).",
         )
         if raw is _GONE:
             raise RuntimeError(
@@ -115,9 +116,11 @@ def check_same_plan(
         if raw is None:
             raise RuntimeError(
                 f"{what}: process {p} did not build its plan number {seq} within "
-                f"{timeout_s:.0f} s (MULTIMESH_PLAN_TIMEOUT). Every process must call the "
-                "same mm.jit functions, in "
-                "the same order, with arguments of the same shapes and placements."
+                f"{timeout_s:.0f} s (MULTIMESH_PLAN_TIMEOUT): it did not make this call, "
+                "or made it with a program it had compiled before (arguments of other "
+                "shapes, dtypes or static values than here). Every process must call the "
+                "same mm.jit functions, in the same order, with arguments of the same "
+                "shapes and placements."
             )
         other = json.loads(raw)
         if other["uid"] == mine["uid"]:
