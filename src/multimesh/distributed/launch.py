@@ -165,7 +165,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     tracebacks: dict[int, float] = {}  # rank -> when it first printed a traceback
+    # handlers first: a signal while ranks start (one may already be printing) is
+    # forwarded to those started, and no more start
+    stopping: dict[str, Any] = {"signal": None, "at": 0.0}
+
+    def forward(signum, _frame) -> None:
+        stopping["signal"] = signum
+        stopping["at"] = time.monotonic()
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     for rank in range(ns.nproc):
+        if stopping["signal"] is not None:
+            break
         env = dict(os.environ)
         env[ENV_COORDINATOR] = coord
         env[ENV_NUM_PROCESSES] = str(ns.nproc)
@@ -194,19 +211,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             t.start()
             pumps.append(t)
 
-    stopping: dict[str, Any] = {"signal": None, "at": 0.0}
-
-    def forward(signum, _frame) -> None:
-        stopping["signal"] = signum
-        stopping["at"] = time.monotonic()
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signum)
-                except ProcessLookupError:
-                    pass
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     failed: tuple[int, int] | None = None
     exited: dict[int, float] = {}  # rank -> when it was first seen gone
 
