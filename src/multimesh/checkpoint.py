@@ -494,8 +494,9 @@ def _check_has_leaves(state: Any, what: str) -> None:
         if isinstance(x, jax.Array) and x.is_deleted()
     ]
     if gone:
+        more = f" and {len(gone) - 12} more" if len(gone) > 12 else ""
         raise ValueError(
-            f"{what}: {', '.join(gone[:12])}{f' and {len(gone) - 12} more' if len(gone) > 12 else ''} "
+            f"{what}: {', '.join(gone[:12])}{more} "
             f"{'has' if len(gone) == 1 else 'have'} been deleted "
             "(donated to a jitted call, or deleted by hand): save the arrays that call "
             "returned instead."
@@ -544,13 +545,12 @@ def restore(path: str | os.PathLike, target: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _without_orbax_notice(*missing: str) -> Any:
-    """Drop Orbax's "Metadata file does not exist: <missing>" log lines: a manager step's
+def _without_orbax_notice(missing: str) -> Any:
+    """Drop Orbax's "Metadata file does not exist: <missing>" log line: a manager step's
     metadata file sits beside its ``default`` folder, which is read as one checkpoint."""
 
     def keep(record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        return not any(m in text for m in missing)
+        return missing not in record.getMessage()
 
     log = logging.getLogger("absl")
     log.addFilter(keep)
@@ -635,8 +635,8 @@ class CheckpointManager:
     """Numbered checkpoints in ``directory``: asynchronous saves, the latest complete
     step on restore, old steps pruned (``max_to_keep``: the newest that many complete
     steps stay; ``None`` keeps all). With ``save_interval_steps=N`` a save happens for the
-    first step saved in a directory holding none and then for steps that are multiples of ``N``
-    (Orbax's rule); ``save`` returns whether it saved. A save a crash interrupted is not
+    first step saved into an empty directory, then for multiples of ``N`` (Orbax's rule);
+    ``save`` returns whether it saved. A save a crash interrupted is not
     a step (the manager goes on from the newest complete one); steps are deleted (pruning,
     ``delete``) by moving them aside in one rename, then removing them."""
 

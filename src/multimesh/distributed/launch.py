@@ -172,12 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def forward(signum, _frame) -> None:
         stopping["signal"] = signum
         stopping["at"] = time.monotonic()
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signum)
-                except ProcessLookupError:
-                    pass
+        _signal_all(procs, signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     for rank in range(ns.nproc):
@@ -205,9 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         procs.append(proc)
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(
-                target=_pump, args=(stream, rank, out, tracebacks), daemon=True
-            )
+            t = threading.Thread(target=_pump, args=(stream, rank, out, tracebacks), daemon=True)
             t.start()
             pumps.append(t)
 
@@ -277,20 +270,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         name = signal.Signals(stopping["signal"]).name
         sys.stderr.write(
             f"multimesh.launch: {name} received; forwarded it and stopped all "
-            f"{ns.nproc} process(es).\n"
+            f"{len(procs)} process(es).\n"  # fewer than --nproc if it came while they started
         )
         return 128 + int(stopping["signal"])
     return 0
 
 
+def _signal_all(procs: list[subprocess.Popen], sig: int) -> None:
+    """Send ``sig`` to the process group of every rank still running."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
 def _stop_all(procs: list[subprocess.Popen], forwarded: bool = False) -> None:
     for sig in (signal.SIGKILL,) if forwarded else (signal.SIGTERM, signal.SIGKILL):
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
+        _signal_all(procs, sig)
         deadline = time.monotonic() + GRACE_SECONDS
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.05)

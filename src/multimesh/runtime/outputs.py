@@ -203,15 +203,14 @@ def check_final_move(
     shs = [req.per_stage.get(slot_stage[i]) or slot_sh[i] for i in ids]
     src = {d for sh in shs for d in getattr(sh, "device_set", ())}
     dst = req.final.device_set
-    procs = {d.process_index for d in src | dst}
-    if src and src != dst and len(procs) > 1:  # a move that crosses processes
+    src_procs, dst_procs = ({d.process_index for d in x} for x in (src, dst))
+    if src and src != dst and len(src_procs | dst_procs) > 1:  # a move across processes
         stages = sorted({slot_stage[i] for i in ids})
         raise ValueError(
             f"out_shardings of output {k} (flat): {req.final} puts it on devices "
-            f"{sorted(d.id for d in dst)} (processes "
-            f"{sorted({d.process_index for d in dst})}), but stage(s) {stages} make it on "
-            f"devices {sorted(d.id for d in src)} (processes "
-            f"{sorted({d.process_index for d in src})}). A multi-process run moves values "
+            f"{sorted(d.id for d in dst)} (processes {sorted(dst_procs)}), but stage(s) "
+            f"{stages} make it on devices {sorted(d.id for d in src)} (processes "
+            f"{sorted(src_procs)}). A multi-process run moves values "
             "between processes inside the program only: request a sharding on the "
             "devices that make it (its stage's submesh, or the global mesh replicated), "
             "or compute it in a task on the submesh you want."
