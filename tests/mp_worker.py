@@ -419,6 +419,34 @@ def checkpoint_misuse(d: str) -> None:
     man.save(1, {"ws": ws})
 
 
+def diverging_calls(which: str) -> None:
+    mmesh = mm.make_mesh((2, 4), ("stage", "data"))
+
+    def make(k):
+        def loss(ws, x):
+            with mm.task("a", stage=0):
+                h = jnp.tanh(x @ ws[0]) * k  # k: the same plan text, another program
+            with mm.task("b", stage=1):
+                return jnp.mean((h @ ws[1]) ** 2)
+
+        def step(ws, x):
+            v, g = jax.value_and_grad(loss)(ws, x)
+            return [w - 0.1 * d for w, d in zip(ws, g)], v
+
+        return mm.jit(step, mesh=mmesh)
+
+    f, g = make(1.0), make(2.0)
+    ws = [np.eye(8, dtype=np.float32)] * 2
+    t0 = time.monotonic()
+    for i in range(4):
+        odd = i == 2 and jax.process_index() == 1
+        n = 16 if odd and which == "diverge-shape" else 8
+        for h in (g, f) if odd and which == "diverge-order" else (f, g):
+            ws, v = h(ws, np.ones((n, 8), np.float32))
+        print("step", i, float(mm.distributed.to_host(v)), flush=True)
+    print(f"diverged calls ran to the end after {time.monotonic() - t0:.0f} s", flush=True)
+
+
 def main() -> None:
     out = sys.argv[1]
     which = sys.argv[2] if len(sys.argv) > 2 else "all"
@@ -464,6 +492,10 @@ def main() -> None:
             static_argnums=1,
         )
         f(np.ones(8, np.float32), 3 if jax.process_index() == 1 else 4)
+    if which in ("diverge-shape", "diverge-order"):
+        # rank 1 makes other calls at its third step (a new shape; two programs swapped):
+        # a clear error within seconds on both, not a wait of MULTIMESH_PLAN_TIMEOUT
+        diverging_calls(which)
     if which == "plan-timeout":  # only rank 0 calls: it must not wait forever
         os.environ.update(MULTIMESH_PLAN_TIMEOUT="5", MULTIMESH_WAIT_NOTICE="2")
         if jax.process_index() == 0:

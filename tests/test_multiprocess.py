@@ -148,6 +148,38 @@ def test_processes_passing_other_static_values_get_a_clear_error(tmp_path):
     assert "built different plans" in text and "static arguments" in text, text[-3000:]
 
 
+def test_a_new_shape_on_one_process_is_a_clear_error_within_seconds(tmp_path):
+    """Rank 1 calls with a new batch size at its third step (a new plan there only),
+    rank 0 runs the program it compiled before: each waited for the other until
+    MULTIMESH_PLAN_TIMEOUT (half an hour). Now the planning process asks the other what
+    it ran and says so within seconds."""
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "diverge-shape", timeout=240)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    want = (
+        "process 0 ran call 5 of the mm.jit calls of processes 0, 1 with a program it had "
+        "compiled before, while this process traced a new program for it"
+    )
+    assert want in text, output_tail(proc)
+    assert "ran to the end" not in text and "MULTIMESH_PLAN_TIMEOUT" not in text, output_tail(proc)
+
+
+@pytest.mark.multiprocess
+def test_two_programs_called_in_another_order_are_a_clear_error(tmp_path):
+    """Rank 1 calls g before f at its third step; both programs have the same plan text
+    (they differ in a constant), so their transfers paired up (a wrong value where the
+    stages' work differs) and then, numbered per program, waited for each other until
+    MULTIMESH_PLAN_TIMEOUT. Now programs are told apart by their work and a waiting
+    process compares its recent calls with its peer's."""
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "diverge-order", timeout=240)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "ran another program than this process as call 5 of the mm.jit calls of " in text, (
+        output_tail(proc)
+    )
+    assert "ran to the end" not in text and "MULTIMESH_PLAN_TIMEOUT" not in text, output_tail(proc)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(1300)  # 8 processes share the cores: minutes on a loaded machine
 @pytest.mark.parametrize("layout", [(2, 4), (4, 2), (8, 1)], ids=["2x4", "4x2", "8x1"])
@@ -418,7 +450,7 @@ def test_to_host_keeps_recent_outputs_per_program(monkeypatch):
 
     from multimesh.distributed import _host
 
-    monkeypatch.setattr(_host, "_ensure_service", lambda: None)
+    monkeypatch.setattr(_host, "ensure_service", lambda: None)
     monkeypatch.setattr(_host, "_RECENT", type(_host._RECENT)())
     keep = _host._KEEP_CALLS
     a = [jnp.zeros(1) for _ in range(keep + 4)]
@@ -449,6 +481,63 @@ def test_a_long_wait_for_a_peer_is_named_once_on_stderr(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.count("on work whose result goes to process 3") == 1, err
     assert "same mm.jit calls in the same order" in err and "process 5" not in err, err
+
+
+def test_divergence_tells_other_calls_from_a_slow_peer(monkeypatch):
+    """What a waiting process concludes from its peer's calls (``crossproc.state()``):
+    only calls that can never pair up are an error; a peer that is behind is not."""
+    from multimesh.runtime import crossproc
+
+    G = crossproc._Group
+    mine = {"0-1": G(runs=4, plans=2, waiting=1, recent=[(3, "f"), (4, "f")])}
+    monkeypatch.setattr(crossproc, "_GROUPS", mine)
+    # it waits for plan 1 at its call 5; the peer ran call 5 without building plan 1
+    assert "process 1 ran call 5 of the mm.jit calls of processes 0, 1 with a program" in (
+        crossproc.divergence(1, {"0-1": [5, 1, -1, [(4, "f"), (5, "f")]]})
+    )
+    # ... one that is behind (call 3), or built plan 1 already, or another group: slow
+    assert crossproc.divergence(1, {"0-1": [3, 1, -1, [(3, "f")]]}) is None
+    assert crossproc.divergence(1, {"0-1": [5, 2, -1, [(4, "f"), (5, "g")]]}) is None
+    assert crossproc.divergence(1, {"0-2": [9, 0, -1, [(4, "g")]]}) is None
+    assert crossproc.divergence(1, None) is None and crossproc.divergence(1, {}) is None
+    # the peer waits for plan 2 at its call 3, while this process ran call 3 and 4
+    mine["0-1"] = G(runs=4, plans=2, waiting=-1, recent=[(3, "f"), (4, "f")])
+    assert "process 1 traced a new program for call 3 of" in crossproc.divergence(
+        1, {"0-1": [2, 2, 2, [(2, "f")]]}
+    )
+    # ... or ran another program as call 4
+    assert "process 1 ran another program than this process as call 4 of" in (
+        crossproc.divergence(1, {"0-1": [4, 2, -1, [(3, "f"), (4, "g")]]})
+    )
+    assert crossproc.divergence(1, {"0-1": [4, 2, -1, [(3, "f"), (4, "f")]]}) is None
+
+
+def test_programs_are_told_apart_by_their_work_the_same_in_every_process():
+    """The digest added to a plan's text where processes pair calls up: it tells apart
+    programs whose plans read the same (a constant differs), and names Python callbacks
+    and sets as every process does (by name, sorted), not by identity or hash order."""
+    import jax
+    import jax.numpy as jnp
+
+    import multimesh as mm
+    from multimesh import _compat
+    from multimesh.runtime import crossproc
+
+    def prog(k):
+        traced = jax.make_jaxpr(lambda x: jax.pure_callback(np.sin, x, x) * k)(jnp.ones(3))
+        eqns = list(traced.jaxpr.eqns)
+        jx = traced.jaxpr
+        return type("P", (), dict(constvars=[], invars=jx.invars, eqns=eqns, outvars=jx.outvars))
+
+    assert crossproc.program_digest(prog(1.0)) == crossproc.program_digest(prog(1.0))
+    assert crossproc.program_digest(prog(1.0)) != crossproc.program_digest(prog(2.0))
+    memo = {"devices": False, "portable": True}
+    assert _compat._param_token(frozenset({"data", "stage"}), memo) == (
+        "frozenset", "'data'", "'stage'"
+    )
+    assert _compat._param_token(mm.jit, memo) == _compat._param_token(mm.jit, dict(memo))
+    a, b = object(), object()  # addresses differ between processes: not in the digest
+    assert _compat._param_token(a, memo) == _compat._param_token(b, memo)
 
 
 def test_culprit_is_not_a_rank_aborted_after_its_peer():

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -486,6 +487,8 @@ def _param_token(v: Any, memo: dict[Any, Any]) -> Any:
         return (type(v).__name__, str(v))
     if isinstance(v, (tuple, list)):
         return (type(v).__name__, *(_param_token(x, memo) for x in v))
+    if isinstance(v, (set, frozenset)):  # sorted: a set's order varies between processes
+        return (type(v).__name__, *sorted(map(repr, (_param_token(x, memo) for x in v))))
     if isinstance(v, ClosedJaxpr):
         consts = tuple(_param_token(c, memo) for c in v.consts)
         return ("closed", _jaxpr_token(v.jaxpr, memo), consts)
@@ -496,10 +499,19 @@ def _param_token(v: Any, memo: dict[Any, Any]) -> Any:
     if isinstance(v, (np.ndarray, np.generic, jax.Array)):
         return _value_token(v)
     if callable(v) and not isinstance(v, type):
+        if memo.get("portable"):  # the same in every process: by its name
+            name = getattr(v, "__qualname__", type(v).__qualname__)
+            return ("callable", type(v).__name__, getattr(v, "__module__", ""), name)
         # a Python callback: by identity (its text may hide its state). The traced
         # program that holds it is kept as long as executables keyed by it are.
         return ("callable", type(v).__name__, id(v))
-    return (type(v).__name__, str(v))
+    text = str(v)
+    if memo.get("portable"):
+        text = _ADDRESS.sub("0x", text)
+    return (type(v).__name__, text)
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")  # an object's address in its text
 
 
 def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
@@ -529,7 +541,10 @@ def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
             return None
         text = contexts.get(id(c))
         if text is None:
-            text = contexts[id(c)] = repr(c)
+            text = repr(c)
+            if memo.get("portable"):
+                text = _ADDRESS.sub("0x", text)
+            contexts[id(c)] = text
             memo.setdefault("keep", []).append(c)
         return text
 
@@ -558,14 +573,16 @@ def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
     return token
 
 
-def jaxpr_fingerprint(jaxpr: Any, devices: bool = False) -> str:
+def jaxpr_fingerprint(jaxpr: Any, devices: bool = False, portable: bool = False) -> str:
     """A digest of ``jaxpr``'s structure: equal for jaxprs that differ only in their
     variables' identities (the same work for another microbatch), different when any
     primitive, parameter, literal, shape, dtype or weak type differs. Parameters other
     than numbers, text and jaxprs count by their text (as the jaxpr's printed form shows
     them: a sharding's devices are not in it, see ``embedded_placements``) and, with
-    ``devices``, by the devices they name too. Much faster than ``str(jaxpr)``."""
-    token = _jaxpr_token(jaxpr, {"devices": devices})
+    ``devices``, by the devices they name too. ``portable``: the same in every process
+    (Python callbacks by name, not identity; no object addresses). Much faster than
+    ``str(jaxpr)``."""
+    token = _jaxpr_token(jaxpr, {"devices": devices, "portable": portable})
     return hashlib.blake2b(repr(token).encode(), digest_size=16).hexdigest()
 
 

@@ -265,6 +265,16 @@ class Lowered(_ArgsInfo):
             text += "\ntask_rules placed scopes:\n" + "\n".join(rows)
         return text
 
+    def _program_digest(self) -> str:
+        """The traced program's work, the same in every process (multi-process runs;
+        computed once)."""
+        digest = self.__dict__.get("_digest")
+        if digest is None:
+            from multimesh.runtime import crossproc
+
+            digest = self._digest = crossproc.program_digest(self._prog)
+        return digest
+
     def _plan_signature(self) -> tuple[int, list[str], list[int]]:
         """This plan's hash, where each flat argument sits in it, and its devices' ids
         (compared between the processes holding them before anything runs)."""
@@ -276,8 +286,10 @@ class Lowered(_ArgsInfo):
             for ii in self.input_infos
         ]
         text = self.plan.as_text()
-        if jax.process_count() > 1:  # static values need not show in the plan (x * n)
+        if jax.process_count() > 1:  # static values need not show in the plan (x * n),
+            # nor other work on the same stages (x * 1.0 and x * 2.0)
             text += "\nstatic: " + _portable(self._call.static)
+            text += "\nprogram: " + self._program_digest()
         return _compat.stable_hash(text), where, devices
 
     def cost_analysis(self) -> CostAnalysis:
@@ -321,6 +333,7 @@ class Lowered(_ArgsInfo):
                 exe_cache=fn._exe_cache,
                 pieces=self._pieces,
                 assembled=self._assembled,
+                digest=self._program_digest if jax.process_count() > 1 else None,
             )
         compiled = Compiled(exe, self, fn)
         fn._register(self._key, compiled)

@@ -57,7 +57,7 @@ def register(arrays: list[jax.Array], program: int, call: int) -> None:
             if isinstance(a, jax.Array):
                 _GID[id(a)] = f"{key}:{k}"
                 weakref.finalize(a, _GID.pop, id(a), None)
-    _ensure_service()
+    ensure_service()
 
 
 def _lookup(gid: str) -> jax.Array | None:
@@ -89,7 +89,7 @@ def _local_ip() -> str:
             return socket.gethostbyname(socket.gethostname())
 
 
-def _ensure_service() -> None:
+def ensure_service() -> None:
     """A small TCP server per process answering ``to_host`` requests for its outputs.
     It runs in its own thread and needs nothing from the main thread or from JAX's
     coordination service, so it answers even while this process waits in a collective
@@ -217,6 +217,11 @@ class _Handler(socketserver.StreamRequestHandler):
 
     def handle(self) -> None:
         gid = self.rfile.readline().decode().strip()
+        if gid == _STATE_REQUEST:  # a peer waiting for this process: what it did
+            from multimesh.runtime import crossproc
+
+            self.wfile.write(json.dumps(crossproc.state()).encode() + b"\n")
+            return
         program, call, _k = gid.split(":")
         deadline = time.monotonic() + 300
         while True:  # a request may arrive before this process finished that call
@@ -248,6 +253,25 @@ class _Handler(socketserver.StreamRequestHandler):
         self.wfile.write(json.dumps(head).encode() + b"\n")
         for b in blobs:
             self.wfile.write(b)
+
+
+_STATE_REQUEST = "?state"
+
+
+def peer_state(q: int, timeout_s: float = 2.0) -> dict[str, list[Any]] | None:
+    """Process ``q``'s ``crossproc.state()`` (its calls per group of processes), asked
+    from its service; ``None`` if it has none yet or does not answer in ``timeout_s``."""
+    addr = _PEERS.get(q)
+    try:
+        if addr is None:
+            host, port = _kv().key_value_try_get(f"multimesh/host/{q}").rsplit(":", 1)
+            addr = _PEERS[q] = (host, int(port))
+        with socket.create_connection(addr, timeout=timeout_s) as conn:
+            conn.sendall(_STATE_REQUEST.encode() + b"\n")
+            line = conn.makefile("rb").readline()
+        return json.loads(line) if line else None
+    except Exception:  # noqa: BLE001 - not started yet, gone, or slow: nothing known
+        return None
 
 
 def _peer(q: int) -> tuple[str, int]:

@@ -12,10 +12,10 @@ copies across processes go through the transport (:mod:`multimesh.runtime.transp
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,8 +56,99 @@ def locality() -> Locality | None:
     return Locality(jax.process_index(), {int(d.id): d.process_index for d in jax.devices()})
 
 
-#: per group of processes: how many plans it has compared (the key-value keys' sequence)
-_PLAN_SEQ: dict[tuple[int, ...], itertools.count] = {}
+@dataclasses.dataclass
+class _Group:
+    """This process's calls among one group of processes (the processes holding a
+    program's devices): what peers compare to tell a process that made other calls
+    than they did from a slow one (see :func:`divergence`)."""
+
+    runs: int = 0  # calls run (every call of a program over these processes)
+    plans: int = 0  # plans compared (the key-value keys' sequence)
+    waiting: int = -1  # the plan number this process waits for its peers to build
+    recent: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (run, program)
+
+
+_GROUPS: dict[str, _Group] = {}
+_GROUPS_LOCK = threading.Lock()
+_KEEP_RUNS = 32  # the programs of this many recent runs per group are compared
+
+
+def group_tag(loc: Locality, devices: Sequence[int]) -> str | None:
+    """The group of processes holding ``devices`` (ids), as a key; ``None`` where no
+    other process or not this one takes part (nothing to compare)."""
+    group = sorted({loc.owner[int(d)] for d in devices})
+    if len(group) == 1 or loc.me not in group:
+        return None
+    return "-".join(map(str, group))
+
+
+def note_run(tag: str, uid: int) -> None:
+    """A call of program ``uid`` over the group ``tag`` starts on this process."""
+    with _GROUPS_LOCK:
+        g = _GROUPS.setdefault(tag, _Group())
+        g.runs += 1
+        g.recent.append((g.runs, str(uid)))
+        if len(g.recent) > _KEEP_RUNS:
+            del g.recent[0]
+    from multimesh.distributed import _host
+
+    _host.ensure_service()  # peers ask it for this state while they wait
+
+
+def state() -> dict[str, list[Any]]:
+    """This process's calls per group (served to peers by ``to_host``'s service)."""
+    with _GROUPS_LOCK:
+        return {t: [g.runs, g.plans, g.waiting, list(g.recent)] for t, g in _GROUPS.items()}
+
+
+def divergence(peer: int, theirs: dict[str, list[Any]] | None) -> str | None:
+    """Why this process and ``peer`` can never meet again, from ``peer``'s ``state()``
+    (``None`` when they may: one is only slower). Among the processes of a group,
+    calls pair up in order, so the processes made different calls when
+    - one waits for the others to build a new plan for its call number ``n`` (new
+      argument shapes, dtypes, placements or static values, or another function),
+      while the other already ran its call ``n`` with a program it had compiled before;
+    - they ran their call ``n`` with different programs."""
+    if not theirs:
+        return None
+    for tag, (runs, plans, waiting, recent) in state().items():
+        if tag not in theirs:
+            continue
+        p_runs, p_plans, p_waiting, p_recent = theirs[tag]
+        procs = f"the mm.jit calls of processes {tag.replace('-', ', ')}"
+        if waiting >= 0 and p_runs > runs and p_plans <= waiting:
+            return (
+                f"process {peer} ran call {runs + 1} of {procs} with a program it had "
+                "compiled before, while this process traced a new program for it"
+            )
+        if p_waiting >= 0 and runs > p_runs and plans <= p_waiting:
+            return (
+                f"process {peer} traced a new program for call {p_runs + 1} of {procs}, "
+                "while this process ran it with a program it had compiled before"
+            )
+        ran = dict(map(tuple, p_recent))
+        for n, uid in recent:
+            if ran.get(n, uid) != uid:
+                return f"process {peer} ran another program than this process as call {n} of {procs}"
+    return None
+
+
+DIVERGED_HINT = (
+    "Every process must make the same mm.jit calls in the same order, with arguments of "
+    "the same shapes, dtypes, placements and static values (a new shape on one process "
+    "traces a new program there only)."
+)
+
+
+def program_digest(prog: Any) -> str:
+    """A digest of a traced program's work (its equations, literals, shapes; not the
+    values of captured arrays), added to the plan's text where processes pair calls
+    up: two functions with plans of the same text (``x * 1.0`` and ``x * 2.0`` on the
+    same stages) are different programs."""
+    jaxpr = _compat.make_jaxpr_obj(
+        list(prog.constvars) + list(prog.invars), list(prog.outvars), list(prog.eqns), "program"
+    )
+    return _compat.jaxpr_fingerprint(jaxpr, portable=True)
 
 
 def peer_timeout_s() -> float:
@@ -85,65 +176,94 @@ def check_same_plan(
     the arguments' paths (for the message)."""
     if timeout_s is None:
         timeout_s = peer_timeout_s()
-    group = tuple(sorted({loc.owner[int(d)] for d in devices}))
-    if len(group) == 1 or loc.me not in group:
+    tag = group_tag(loc, devices)
+    if tag is None:
         return  # no transfer between processes, or none this process takes part in
-    seq = next(_PLAN_SEQ.setdefault(group, itertools.count()))
-    tag = "-".join(map(str, group))
+    with _GROUPS_LOCK:
+        g = _GROUPS.setdefault(tag, _Group())
+        seq, g.plans = g.plans, g.plans + 1
     kv = tp.kv_client()
     mine = {"uid": str(uid), "inputs": list(inputs)}
     kv.key_value_set(f"multimesh/plan/{tag}/{seq}/{loc.me}", json.dumps(mine))
-    for p in group:
-        if p == loc.me:
-            continue
-        raw = _wait_for(
-            kv,
-            f"multimesh/plan/{tag}/{seq}/{p}",
-            p,
-            timeout_s,
-            f"{what} on process {loc.me} has waited {{s:.0f}} s for process {p} to plan the "
-            f"same call (its plan number {seq}); every process must call the same mm.jit "
-            "functions in the same order, with arguments of the same shapes (a process "
-            "running a program it compiled before plans nothing).",
-        )
-        if raw is _GONE:
-            raise RuntimeError(
-                f"{what}: process {p} exited (sys.exit, an error it caught, or the end of "
-                f"its script) without building its plan number {seq} for this call. Every "
-                "process must call the same mm.jit functions, in the same order, until "
-                "the end."
-            )
-        if raw is None:
-            raise RuntimeError(
-                f"{what}: process {p} did not build its plan number {seq} within "
-                f"{timeout_s:.0f} s (MULTIMESH_PLAN_TIMEOUT): it did not make this call, "
-                "or made it with a program it had compiled before (arguments of other "
-                "shapes, dtypes or static values than here). Every process must call the "
-                "same mm.jit functions, in the same order, with arguments of the same "
-                "shapes and placements."
-            )
-        other = json.loads(raw)
-        if other["uid"] == mine["uid"]:
-            continue
-        diff = [
-            f"{names[k] if k < len(names) else f'argument {k}'}: here {a}, on process {p} {b}"
-            for k, (a, b) in enumerate(zip(inputs, other["inputs"]))
-            if a != b
-        ]
-        why = (
-            "arguments placed differently: "
-            + "; ".join(diff[:4])
-            + (f" (and {len(diff) - 4} more)" if len(diff) > 4 else "")
-            if diff
-            else "the traced programs differ (shapes, static arguments or Python control flow)"
-        )
+    g.waiting = seq
+    try:
+        for p in map(int, tag.split("-")):
+            if p != loc.me:
+                _compare_plan(kv, f"multimesh/plan/{tag}/{seq}/{p}", seq, p, loc.me, mine, names, what, timeout_s)
+    finally:
+        g.waiting = -1
+
+
+def _compare_plan(
+    kv: Any,
+    key: str,
+    seq: int,
+    p: int,
+    me: int,
+    mine: dict[str, Any],
+    names: Sequence[str],
+    what: str,
+    timeout_s: float,
+) -> None:
+    """Wait for process ``p``'s plan number ``seq`` (under ``key``) and compare it with
+    this process's (``mine``): a clear error where they differ, where ``p`` exits first,
+    or where ``p`` is found to have made other calls (:func:`divergence`)."""
+
+    def diverged() -> str | None:
+        from multimesh.distributed import _host
+
+        why = divergence(p, _host.peer_state(p))
+        return None if why is None else f"{what}: {why}. {DIVERGED_HINT}"
+
+    raw = _wait_for(
+        kv,
+        key,
+        p,
+        timeout_s,
+        f"{what} on process {me} has waited {{s:.0f}} s for process {p} to plan the "
+        f"same call (its plan number {seq}); every process must call the same mm.jit "
+        "functions in the same order, with arguments of the same shapes (a process "
+        "running a program it compiled before plans nothing).",
+        check=diverged,
+    )
+    if raw is _GONE:
         raise RuntimeError(
-            f"{what}: process {loc.me} and process {p} built different plans for the same "
-            f"call ({why}). Every process must pass the same arguments with the same "
-            "placement: commit arrays to the same sharding on every process (e.g. "
-            "jax.device_put(x, NamedSharding(mesh, spec)) or an mm.jit output), not to a "
-            "process's default device."
+            f"{what}: process {p} exited (sys.exit, an error it caught, or the end of "
+            f"its script) without building its plan number {seq} for this call. Every "
+            "process must call the same mm.jit functions, in the same order, until "
+            "the end."
         )
+    if raw is None:
+        raise RuntimeError(
+            f"{what}: process {p} did not build its plan number {seq} within "
+            f"{timeout_s:.0f} s (MULTIMESH_PLAN_TIMEOUT): it did not make this call, "
+            "or made it with a program it had compiled before (arguments of other "
+            "shapes, dtypes or static values than here). Every process must call the "
+            "same mm.jit functions, in the same order, with arguments of the same "
+            "shapes and placements."
+        )
+    other = json.loads(raw)
+    if other["uid"] == mine["uid"]:
+        return
+    diff = [
+        f"{names[k] if k < len(names) else f'argument {k}'}: here {a}, on process {p} {b}"
+        for k, (a, b) in enumerate(zip(mine["inputs"], other["inputs"]))
+        if a != b
+    ]
+    why = (
+        "arguments placed differently: "
+        + "; ".join(diff[:4])
+        + (f" (and {len(diff) - 4} more)" if len(diff) > 4 else "")
+        if diff
+        else "the traced programs differ (shapes, static arguments or Python control flow)"
+    )
+    raise RuntimeError(
+        f"{what}: process {me} and process {p} built different plans for the same "
+        f"call ({why}). Every process must pass the same arguments with the same "
+        "placement: commit arrays to the same sharding on every process (e.g. "
+        "jax.device_put(x, NamedSharding(mesh, spec)) or an mm.jit output), not to a "
+        "process's default device."
+    )
 
 
 _GONE = object()
@@ -185,20 +305,31 @@ def exchange_with_all(key: str, value: str, what: str) -> dict[int, str]:
     return out
 
 
-def _wait_for(kv: Any, key: str, peer: int, timeout_s: float, notice: str) -> Any:
+def _wait_for(
+    kv: Any,
+    key: str,
+    peer: int,
+    timeout_s: float,
+    notice: str,
+    check: Callable[[], str | None] | None = None,
+) -> Any:
     """``_poll`` for ``peer``'s ``key``: after ``MULTIMESH_WAIT_NOTICE`` (a minute) a word
     on stderr (``notice``, formatted with the seconds waited ``s``: a peer that skipped
     this call and went on, or calls in another order, cannot be told from a slow one),
-    then the rest of ``timeout_s``."""
+    then the rest of ``timeout_s``. ``check`` (see ``_poll``) tells a peer that made
+    other calls from a slow one."""
     first = min(timeout_s, tp.wait_notice_s())
-    raw = _poll(kv, key, first, gone=_exiting_key(peer))
+    since = time.monotonic()
+    raw = _poll(kv, key, first, gone=_exiting_key(peer), check=check, since=since)
     if raw is None and timeout_s > first:
         sys.stderr.write(
             f"multimesh: {notice.format(s=first)} Waiting up to {timeout_s:.0f} s "
             "(MULTIMESH_PLAN_TIMEOUT).\n"
         )
         sys.stderr.flush()
-        raw = _poll(kv, key, timeout_s - first, gone=_exiting_key(peer))
+        raw = _poll(
+            kv, key, timeout_s - first, gone=_exiting_key(peer), check=check, since=since
+        )
     return raw
 
 
@@ -208,27 +339,51 @@ def _exiting_key(process: int) -> str:
     return exiting_key(process)
 
 
-def _poll(kv: Any, key: str, timeout_s: float, gone: str | None = None) -> Any:
+#: a wait this long (s) asks the peer what it did (``check``), then every CHECK_EVERY_S
+CHECK_AFTER_S = 2.0
+CHECK_EVERY_S = 1.0
+
+
+def _poll(
+    kv: Any,
+    key: str,
+    timeout_s: float,
+    gone: str | None = None,
+    check: Callable[[], str | None] | None = None,
+    since: float | None = None,
+) -> Any:
     """The value of ``key`` once another process sets it (``None`` after ``timeout_s``;
     ``_GONE`` once ``gone`` is set: that process is exiting), polled with short sleeps
-    (at most 50 ms between tries; ``gone`` every 0.25 s)."""
-    deadline = time.monotonic() + timeout_s
+    (at most 50 ms between tries; ``gone`` every 0.25 s). From ``CHECK_AFTER_S`` after
+    ``since``, ``check()`` every ``CHECK_EVERY_S``: a message from two checks in a row
+    (the peer did not move on between them) is raised as a ``RuntimeError``."""
+    start = time.monotonic()
+    deadline = start + timeout_s
     wait = 0.0005
-    next_gone = time.monotonic() + 0.25
+    next_gone = start + 0.25
+    next_check = (since if since is not None else start) + CHECK_AFTER_S
+    seen: str | None = None
     while True:
         try:
             return kv.key_value_try_get(key)
         except Exception:  # noqa: BLE001 - not set yet (the runtime's NotFound error)
-            now = time.monotonic()
-            if now > deadline:
-                return None
-            if gone is not None and now > next_gone:
-                next_gone = now + 0.25
-                try:
-                    kv.key_value_try_get(gone)
-                    return _GONE
-                except Exception:  # noqa: BLE001 - not exiting
-                    pass
+            pass
+        now = time.monotonic()
+        if now > deadline:
+            return None
+        if gone is not None and now > next_gone:
+            next_gone = now + 0.25
+            try:
+                kv.key_value_try_get(gone)
+                return _GONE
+            except Exception:  # noqa: BLE001 - not exiting
+                pass
+        if check is not None and now > next_check:
+            next_check = now + CHECK_EVERY_S
+            why = check()
+            if why is not None and why == seen:
+                raise RuntimeError(why)
+            seen = why
         time.sleep(wait)
         wait = min(wait * 2, 0.05)
 

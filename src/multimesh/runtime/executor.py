@@ -70,6 +70,7 @@ class Executable:
         exe_cache: dict[Any, Any] | None = None,
         pieces: dict[int, Any] | None = None,
         assembled: dict[int, list[int]] | None = None,
+        digest: Callable[[], str] | None = None,
     ) -> None:
         self.plan = plan
         self._stage_axis = stage_axis or "stage"
@@ -82,10 +83,19 @@ class Executable:
             if out_shardings is not None and any(o is not None for o in out_shardings):
                 used = {t.index for t in targets}
             crossproc.check_layout(loc, [t for t in targets if t.index in used])
+        #: the processes this program's calls pair up with (None: none to pair with)
+        self._group = (
+            None
+            if loc is None
+            else crossproc.group_tag(loc, [d for t in targets for d in t.device_ids])
+        )
         self._calls = 0
         #: constants put once and kept between calls: (slot, host value, sharding)
         self._kept: list[tuple[int, Any, Any]] = []
-        self._uid = _compat.stable_hash(plan.as_text())
+        text = plan.as_text()
+        if loc is not None:  # processes pair calls up by it: other work, another program
+            text += "\nprogram: " + (digest() if digest else crossproc.program_digest(prog))
+        self._uid = _compat.stable_hash(text)
         slot_sh: dict[int, Any] = compiling.LazyDict()  # values may be pending compiles
         # fragments compile on a thread pool, in plan order; several processes on one
         # host share its cores
@@ -795,6 +805,8 @@ class Executable:
         # function jitted twice, or a variant for other input placements) never reuse a
         # (program, call) pair naming cross-process transfers and to_host outputs
         self._calls = _CALLS[self._uid] = _CALLS.get(self._uid, 0) + 1
+        if self._group is not None:  # what peers waiting for this process compare
+            crossproc.note_run(self._group, self._uid)
         env = self.fresh_env()
         try:
             for code, fn, get, outs, free, copy in self._loop:

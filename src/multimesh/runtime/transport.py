@@ -215,12 +215,14 @@ class _Watch:
     def _run(self) -> None:
         exiting_since: dict[int, float] = {}
         noticed: set[tuple[float, int]] = set()
+        seen: dict[int, str | None] = {}  # peer -> what the last check found
         while True:
             time.sleep(self.POLL_S)
             now = time.monotonic()
             with self._lock:
                 waits = list(self._waits.values())
             noticed &= set(waits)
+            self._check_peers(now, waits, seen)
             notice = wait_notice_s()
             for since, peer in waits:
                 if now - since > notice and (since, peer) not in noticed:
@@ -248,6 +250,29 @@ class _Watch:
                         f"whose result goes to process {peer} (MULTIMESH_PLAN_TIMEOUT): is a "
                         "process stuck, or making other mm.jit calls than this one?"
                     )
+
+
+    CHECK_AFTER_S = 5.0
+
+    def _check_peers(
+        self, now: float, waits: list[tuple[float, int]], seen: dict[int, str | None]
+    ) -> None:
+        """Ask the peers this process has waited on for ``CHECK_AFTER_S`` what they did:
+        one that made other mm.jit calls (a new argument shape there, or other functions)
+        will never send what this process waits for. Found twice in a row (once a second),
+        it ends this process with what differs, instead of waiting out the timeout."""
+        from multimesh.distributed import _host
+        from multimesh.runtime import crossproc
+
+        peers = {peer for since, peer in waits if now - since > self.CHECK_AFTER_S}
+        for peer in list(seen):
+            if peer not in peers:
+                del seen[peer]
+        for peer in sorted(peers):
+            why = crossproc.divergence(peer, _host.peer_state(peer))
+            if why is not None and seen.get(peer) == why:
+                _die(f"{why}. {crossproc.DIVERGED_HINT}")
+            seen[peer] = why
 
 
 def wait_notice_s() -> float:
