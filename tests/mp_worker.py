@@ -492,6 +492,26 @@ def main() -> None:
             static_argnums=1,
         )
         f(np.ones(8, np.float32), 3 if jax.process_index() == 1 else 4)
+    if which == "diverge-oneway":
+        # transfers one way only (stage 0 to 1): nothing ever waits, so swapped calls
+        # ran to the end with values paired across programs; the end compares the calls
+        mmesh = mm.make_mesh((2, 4), ("stage", "data"))
+
+        def fwd(k):
+            def f(x):
+                with mm.task("a", stage=0):
+                    h = jnp.tanh(x) * k
+                with mm.task("b", stage=1):
+                    return h + 1.0
+
+            return mm.jit(f, mesh=mmesh)
+
+        f, g = fwd(1.0), fwd(2.0)
+        x = np.ones(8, np.float32)
+        for i in range(3):
+            for h in (g, f) if i == 1 and jax.process_index() == 1 else (f, g):
+                h(x)
+        print("one-way calls ran to the end", flush=True)
     if which in ("diverge-shape", "diverge-order"):
         # rank 1 makes other calls at its third step (a new shape; two programs swapped):
         # a clear error within seconds on both, not a wait of MULTIMESH_PLAN_TIMEOUT

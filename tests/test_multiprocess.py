@@ -158,7 +158,7 @@ def test_a_new_shape_on_one_process_is_a_clear_error_within_seconds(tmp_path):
     text = proc.stdout + proc.stderr
     want = (
         "process 0 ran call 5 of the mm.jit calls of processes 0, 1 with a program it had "
-        "compiled before, while this process traced a new program for it"
+        "compiled before, while this process planned a new program for it"
     )
     assert want in text, output_tail(proc)
     assert "ran to the end" not in text and "MULTIMESH_PLAN_TIMEOUT" not in text, output_tail(proc)
@@ -178,6 +178,20 @@ def test_two_programs_called_in_another_order_are_a_clear_error(tmp_path):
         output_tail(proc)
     )
     assert "ran to the end" not in text and "MULTIMESH_PLAN_TIMEOUT" not in text, output_tail(proc)
+
+
+@pytest.mark.multiprocess
+def test_calls_in_another_order_that_never_wait_fail_the_job_at_its_end(tmp_path):
+    """Programs whose transfers all go one way never wait on a peer, so swapped calls
+    ran to the end (exit 0) with values paired across programs: every process now
+    compares its calls with its peers' once all are done, and exits 1 saying so."""
+    proc = launch(2, 4, str(tmp_path / "r.npz"), "diverge-oneway", timeout=240)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "one-way calls ran to the end" in text, output_tail(proc)
+    assert "ran another program than this process as call 3 of the mm.jit calls" in text, (
+        output_tail(proc)
+    )
 
 
 @pytest.mark.multiprocess
@@ -489,27 +503,50 @@ def test_divergence_tells_other_calls_from_a_slow_peer(monkeypatch):
     from multimesh.runtime import crossproc
 
     G = crossproc._Group
-    mine = {"0-1": G(runs=4, plans=2, waiting=1, recent=[(3, "f"), (4, "f")])}
+    mine = {"0-1": G(runs=4, plans=2, waiting=1, recent=[(3, "f"), (4, "f")], chain="c4")}
     monkeypatch.setattr(crossproc, "_GROUPS", mine)
     # it waits for plan 1 at its call 5; the peer ran call 5 without building plan 1
     assert "process 1 ran call 5 of the mm.jit calls of processes 0, 1 with a program" in (
-        crossproc.divergence(1, {"0-1": [5, 1, -1, [(4, "f"), (5, "f")]]})
+        crossproc.divergence(1, {"0-1": [5, 1, -1, [(4, "f"), (5, "f")], "c5"]})
     )
     # ... one that is behind (call 3), or built plan 1 already, or another group: slow
-    assert crossproc.divergence(1, {"0-1": [3, 1, -1, [(3, "f")]]}) is None
-    assert crossproc.divergence(1, {"0-1": [5, 2, -1, [(4, "f"), (5, "g")]]}) is None
-    assert crossproc.divergence(1, {"0-2": [9, 0, -1, [(4, "g")]]}) is None
+    assert crossproc.divergence(1, {"0-1": [3, 1, -1, [(3, "f")], "c3"]}) is None
+    assert crossproc.divergence(1, {"0-1": [5, 2, -1, [(4, "f"), (5, "g")], "c5"]}) is None
+    assert crossproc.divergence(1, {"0-2": [9, 0, -1, [(4, "g")], "x"]}) is None
     assert crossproc.divergence(1, None) is None and crossproc.divergence(1, {}) is None
     # the peer waits for plan 2 at its call 3, while this process ran call 3 and 4
-    mine["0-1"] = G(runs=4, plans=2, waiting=-1, recent=[(3, "f"), (4, "f")])
+    mine["0-1"] = G(runs=4, plans=2, waiting=-1, recent=[(3, "f"), (4, "f")], chain="c4")
     assert "process 1 traced a new program for call 3 of" in crossproc.divergence(
-        1, {"0-1": [2, 2, 2, [(2, "f")]]}
+        1, {"0-1": [2, 2, 2, [(2, "f")], "c2"]}
     )
-    # ... or ran another program as call 4
+    # ... or ran another program as call 4, or another sequence of as many calls
     assert "process 1 ran another program than this process as call 4 of" in (
-        crossproc.divergence(1, {"0-1": [4, 2, -1, [(3, "f"), (4, "g")]]})
+        crossproc.divergence(1, {"0-1": [4, 2, -1, [(3, "f"), (4, "g")], "c4"]})
     )
-    assert crossproc.divergence(1, {"0-1": [4, 2, -1, [(3, "f"), (4, "f")]]}) is None
+    assert "ran other programs than this process among its 4 mm.jit calls over" in (
+        crossproc.divergence(1, {"0-1": [4, 2, -1, [(3, "f"), (4, "f")], "other"]})
+    )
+    assert crossproc.divergence(1, {"0-1": [4, 2, -1, [(3, "f"), (4, "f")], "c4"]}) is None
+    # at the end: as many calls, or it is an error (a peer in no call of the group: 0)
+    assert crossproc.final_divergence(1, {"0-1": [4, 2, -1, [(4, "f")], "c4"]}) is None
+    assert "process 1 made 3 mm.jit calls over processes 0, 1, this process 4" in (
+        crossproc.final_divergence(1, {"0-1": [3, 2, -1, [(3, "f")], "c3"]})
+    )
+    assert "made 0 mm.jit calls" in crossproc.final_divergence(1, {})
+    assert crossproc.final_divergence(2, {}) is None  # not in the group
+    # runs chain their programs: the same calls in the same order give the same chain
+    monkeypatch.setattr(crossproc, "_GROUPS", {})
+    monkeypatch.setattr(crossproc.tp, "watch_calls", lambda: None)
+    from multimesh.distributed import _host
+
+    monkeypatch.setattr(_host, "ensure_service", lambda: None)
+    chains = []
+    for order in ("fg", "gf", "fg"):
+        crossproc._GROUPS.clear()
+        for uid in order:
+            crossproc.note_run("0-1", uid)
+        chains.append(crossproc.state()["0-1"][4])
+    assert chains[0] == chains[2] != chains[1]
 
 
 def test_programs_are_told_apart_by_their_work_the_same_in_every_process():

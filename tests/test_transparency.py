@@ -202,3 +202,23 @@ def test_microbatch_outputs_holding_none(mesh4x2):
         assert aux["none"] is None
         for a, b in zip([val, aux["n"], grad], want):
             np.testing.assert_allclose(np.asarray(a), b)
+
+
+def test_a_pallas_kernel_in_a_task(mesh222):
+    """A Pallas kernel (interpreted: any backend) inside a task: its references' types
+    are rewritten for the submesh like any value's (it failed with AbstractRef's
+    "unexpected keyword argument 'sharding'")."""
+    from jax.experimental import pallas as pl
+
+    def kern(x_ref, o_ref):
+        o_ref[...] = jnp.sin(x_ref[...]) * 2
+
+    def f(x):
+        with mm.task("a", stage=0):
+            out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+            h = pl.pallas_call(kern, out_shape=out, interpret=True)(x)
+        with mm.task("b", stage=1):
+            return (h + 1).sum(axis=0)
+
+    x = np.linspace(0, 1, 64, dtype=np.float32).reshape(8, 8)
+    assert_close(mm.jit(f, mesh=mesh222)(x), jax.jit(f)(x), rtol=1e-6)

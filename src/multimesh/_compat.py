@@ -455,11 +455,14 @@ def _dtype_text(dtype: Any) -> str:
     return text
 
 
-def _value_token(v: Any) -> Any:
+def _value_token(v: Any, portable: bool = False) -> Any:
     """An array or scalar by its bytes (its text elides large arrays, and every NaN
-    prints as ``nan``)."""
+    prints as ``nan``). ``portable``: a ``jax.Array`` by its type only (a process may
+    not hold its bytes)."""
     if type(v) is np.ndarray or isinstance(v, np.generic):  # literals: the common case
         a = v
+    elif portable and isinstance(v, jax.Array):
+        return ("jax array", v.shape, str(v.dtype))
     else:
         dtype = getattr(v, "dtype", None)
         if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
@@ -497,7 +500,7 @@ def _param_token(v: Any, memo: dict[Any, Any]) -> Any:
     if isinstance(v, dict):
         return ("dict", *sorted((str(k), _param_token(x, memo)) for k, x in v.items()))
     if isinstance(v, (np.ndarray, np.generic, jax.Array)):
-        return _value_token(v)
+        return _value_token(v, memo.get("portable", False))
     if callable(v) and not isinstance(v, type):
         if memo.get("portable"):  # the same in every process: by its name
             name = getattr(v, "__qualname__", type(v).__qualname__)
@@ -520,6 +523,7 @@ def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
         return hit[1]
     ids: dict[Any, int] = {}
     contexts: dict[int, str] = memo.setdefault("contexts", {})
+    portable = memo.get("portable", False)
 
     def bind(v: Any) -> str:
         ids[v] = len(ids)
@@ -527,7 +531,7 @@ def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
 
     def ref(v: Any) -> Any:
         if isinstance(v, Literal):
-            return ("lit", _value_token(v.val), _aval_token(v.aval))
+            return ("lit", _value_token(v.val, portable), _aval_token(v.aval))
         k = ids.get(v)
         if k is None:  # free variable
             return ("free", bind(v))

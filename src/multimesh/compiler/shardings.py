@@ -205,6 +205,10 @@ def _rewrite_literal(lit: Any, ctx: Ctx) -> Any:
 
 
 def _rewrite_aval(aval: Any, ctx: Ctx) -> Any:
+    inner = getattr(aval, "inner_aval", None)
+    if inner is not None:  # a mutable reference (Pallas, jax.new_ref): its value's type
+        new_inner = _rewrite_aval(inner, ctx)
+        return aval if new_inner is inner else aval.update(inner_aval=new_inner)
     sh = getattr(aval, "sharding", None)
     if not isinstance(sh, NamedSharding) or not isinstance(sh.mesh, AbstractMesh):
         return aval

@@ -107,18 +107,27 @@ def ensure_service() -> None:
         """At exit (before jax.distributed shuts down: atexit runs last-in first), keep
         answering until every process is done, so a late to_host elsewhere still works."""
         mark_exiting()
+        why = None
         try:
+            from multimesh.runtime import crossproc
+
             kv = _kv()
-            kv.key_value_set(f"multimesh/done/{jax.process_index()}", "1")
+            me = jax.process_index()
+            kv.key_value_set(f"multimesh/final/{me}", json.dumps(crossproc.state()))
+            kv.key_value_set(f"multimesh/done/{me}", "1")
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline:
                 if len(kv.key_value_dir_get("multimesh/done/")) >= jax.process_count():
                     break
                 time.sleep(0.01)
+            why = _final_check(kv, me)
         except Exception:  # noqa: BLE001 - the job is already going down
             pass
         server.shutdown()
         server.server_close()
+        if why is not None:
+            sys.stderr.write(f"multimesh: {why}. {crossproc.DIVERGED_HINT}\n")
+            exit_now(1)
 
     atexit.register(_stop)
     fail_fast()
@@ -149,6 +158,24 @@ def mark_exiting(own_work_s: float = 30.0) -> None:
         _kv().key_value_set(exiting_key(jax.process_index()), "1")
     except Exception:  # noqa: BLE001 - the job is already going down
         pass
+
+
+def _final_check(kv: Any, me: int) -> str | None:
+    """Once every process is done: whether a peer made other mm.jit calls than this
+    one (its final ``crossproc.state()``), which pairs calls with other calls' values
+    where nothing waits (a program whose transfers all go one way)."""
+    from multimesh.runtime import crossproc
+
+    peers = {int(p) for tag in crossproc.state() for p in tag.split("-")} - {me}
+    for p in sorted(peers):
+        try:
+            raw = kv.key_value_try_get(f"multimesh/final/{p}")
+        except Exception:  # noqa: BLE001 - it did not get this far: nothing to compare
+            continue
+        why = crossproc.final_divergence(p, json.loads(raw))
+        if why is not None:
+            return why
+    return None
 
 
 def fail_fast() -> None:

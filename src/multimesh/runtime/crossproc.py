@@ -66,6 +66,7 @@ class _Group:
     plans: int = 0  # plans compared (the key-value keys' sequence)
     waiting: int = -1  # the plan number this process waits for its peers to build
     recent: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (run, program)
+    chain: str = ""  # a digest of the programs of every run so far, in order
 
 
 _GROUPS: dict[str, _Group] = {}
@@ -88,17 +89,21 @@ def note_run(tag: str, uid: int) -> None:
         g = _GROUPS.setdefault(tag, _Group())
         g.runs += 1
         g.recent.append((g.runs, str(uid)))
+        g.chain = str(_compat.stable_hash(f"{g.chain}/{uid}"))
         if len(g.recent) > _KEEP_RUNS:
             del g.recent[0]
     from multimesh.distributed import _host
 
-    _host.ensure_service()  # peers ask it for this state while they wait
+    _host.ensure_service()  # peers ask it for this state
+    tp.watch_calls()  # ... and this process asks theirs
 
 
 def state() -> dict[str, list[Any]]:
     """This process's calls per group (served to peers by ``to_host``'s service)."""
     with _GROUPS_LOCK:
-        return {t: [g.runs, g.plans, g.waiting, list(g.recent)] for t, g in _GROUPS.items()}
+        return {
+            t: [g.runs, g.plans, g.waiting, list(g.recent), g.chain] for t, g in _GROUPS.items()
+        }
 
 
 def divergence(peer: int, theirs: dict[str, list[Any]] | None) -> str | None:
@@ -111,15 +116,15 @@ def divergence(peer: int, theirs: dict[str, list[Any]] | None) -> str | None:
     - they ran their call ``n`` with different programs."""
     if not theirs:
         return None
-    for tag, (runs, plans, waiting, recent) in state().items():
+    for tag, (runs, plans, waiting, recent, chain) in state().items():
         if tag not in theirs:
             continue
-        p_runs, p_plans, p_waiting, p_recent = theirs[tag]
+        p_runs, p_plans, p_waiting, p_recent, p_chain = theirs[tag]
         procs = f"the mm.jit calls of processes {tag.replace('-', ', ')}"
         if waiting >= 0 and p_runs > runs and p_plans <= waiting:
             return (
                 f"process {peer} ran call {runs + 1} of {procs} with a program it had "
-                "compiled before, while this process traced a new program for it"
+                "compiled before, while this process planned a new program for it"
             )
         if p_waiting >= 0 and runs > p_runs and plans <= p_waiting:
             return (
@@ -130,6 +135,27 @@ def divergence(peer: int, theirs: dict[str, list[Any]] | None) -> str | None:
         for n, uid in recent:
             if ran.get(n, uid) != uid:
                 return f"process {peer} ran another program than this process as call {n} of {procs}"
+        if runs == p_runs and chain != p_chain:
+            return (
+                f"process {peer} ran other programs than this process among its {runs} "
+                f"mm.jit calls over processes {tag.replace('-', ', ')}"
+            )
+    return None
+
+
+def final_divergence(peer: int, theirs: dict[str, list[Any]]) -> str | None:
+    """At the end (every process done): ``divergence``, or calls this process and
+    ``peer`` made a different number of times."""
+    why = divergence(peer, theirs)
+    if why is not None:
+        return why
+    for tag, (runs, *_rest) in state().items():
+        p_runs = theirs.get(tag, [0])[0]
+        if str(peer) in tag.split("-") and p_runs != runs:
+            return (
+                f"process {peer} made {p_runs} mm.jit calls over processes "
+                f"{tag.replace('-', ', ')}, this process {runs}"
+            )
     return None
 
 

@@ -201,28 +201,48 @@ class _Watch:
         me = threading.get_ident()
         with self._lock:
             self._waits[me] = (time.monotonic(), peer)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="multimesh-peer-watch", daemon=True
-                )
-                self._thread.start()
+            self._start()
         try:
             yield
         finally:
             with self._lock:
                 self._waits.pop(me, None)
 
+    def start(self) -> None:
+        """Watch from now on (a process that ran a call over several processes: its
+        peers' calls are compared with its own every ``PEERS_EVERY_S``, waiting or not,
+        since it may be stuck inside XLA, out of any wait this class sees)."""
+        if self._thread is None:
+            with self._lock:
+                self._start()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="multimesh-peer-watch", daemon=True
+            )
+            self._thread.start()
+
     def _run(self) -> None:
         exiting_since: dict[int, float] = {}
         noticed: set[tuple[float, int]] = set()
-        seen: dict[int, str | None] = {}  # peer -> what the last check found
+        seen: dict[int, str] = {}  # peer -> the other calls its last check found
+        next_all = time.monotonic() + self.PEERS_EVERY_S
         while True:
             time.sleep(self.POLL_S)
             now = time.monotonic()
             with self._lock:
                 waits = list(self._waits.values())
             noticed &= set(waits)
-            self._check_peers(now, waits, seen)
+            # peers waited on for a while, every peer now and then, and again any peer
+            # whose last check found other calls (an error once found twice in a row)
+            peers = {peer for since, peer in waits if now - since > self.CHECK_AFTER_S}
+            peers |= set(seen)
+            if now > next_all:
+                next_all = now + self.PEERS_EVERY_S
+                peers |= _group_peers()
+            if peers:
+                self._check_peers(peers, seen)
             notice = wait_notice_s()
             for since, peer in waits:
                 if now - since > notice and (since, peer) not in noticed:
@@ -253,26 +273,38 @@ class _Watch:
 
 
     CHECK_AFTER_S = 5.0
+    PEERS_EVERY_S = 5.0
 
-    def _check_peers(
-        self, now: float, waits: list[tuple[float, int]], seen: dict[int, str | None]
-    ) -> None:
-        """Ask the peers this process has waited on for ``CHECK_AFTER_S`` what they did:
-        one that made other mm.jit calls (a new argument shape there, or other functions)
-        will never send what this process waits for. Found twice in a row (once a second),
-        it ends this process with what differs, instead of waiting out the timeout."""
+    def _check_peers(self, peers: set[int], seen: dict[int, str]) -> None:
+        """Ask ``peers`` what they did: one that made other mm.jit calls (a new argument
+        shape there, or other functions) will never send what this process waits for,
+        nor take what it sends. Found twice in a row (the second check follows the first
+        within a second), it ends this process with what differs, instead of waiting out
+        the timeout or going on with values paired with another call's."""
         from multimesh.distributed import _host
         from multimesh.runtime import crossproc
 
-        peers = {peer for since, peer in waits if now - since > self.CHECK_AFTER_S}
-        for peer in list(seen):
-            if peer not in peers:
-                del seen[peer]
         for peer in sorted(peers):
             why = crossproc.divergence(peer, _host.peer_state(peer))
-            if why is not None and seen.get(peer) == why:
+            if why is None:
+                seen.pop(peer, None)
+            elif seen.get(peer) == why:
                 _die(f"{why}. {crossproc.DIVERGED_HINT}")
-            seen[peer] = why
+            else:
+                seen[peer] = why
+
+
+def _group_peers() -> set[int]:
+    """The other processes this one ran calls with."""
+    from multimesh.runtime import crossproc
+
+    me = jax.process_index()
+    return {int(p) for tag in crossproc.state() for p in tag.split("-")} - {me}
+
+
+def watch_calls() -> None:
+    """Compare this process's calls with its peers' from now on (``_Watch.start``)."""
+    _WATCH.start()
 
 
 def wait_notice_s() -> float:
