@@ -242,7 +242,10 @@ class _Watch:
                 next_all = now + self.PEERS_EVERY_S
                 peers |= _group_peers()
             if peers:
-                self._check_peers(peers, seen)
+                try:
+                    self._check_peers(peers, seen)
+                except Exception:  # noqa: BLE001 - a peer's odd answer: keep watching
+                    seen.clear()
             notice = wait_notice_s()
             for since, peer in waits:
                 if now - since > notice and (since, peer) not in noticed:
