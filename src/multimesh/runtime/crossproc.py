@@ -94,8 +94,8 @@ def note_run(tag: str, uid: int) -> None:
             del g.recent[0]
     from multimesh.distributed import _host
 
-    _host.ensure_service()  # peers ask it for this state
-    tp.watch_calls()  # ... and this process asks theirs
+    tp.watch_calls()  # this process asks its peers what they ran (first: see _Watch)
+    _host.ensure_service()  # ... and they ask it
 
 
 def state() -> dict[str, list[Any]]:

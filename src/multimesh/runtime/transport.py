@@ -17,6 +17,7 @@ the same ids without talking. Select with ``MULTIMESH_TRANSPORT=server|ppermute`
 from __future__ import annotations
 
 import abc
+import atexit
 import contextlib
 import dataclasses
 import hashlib
@@ -194,6 +195,7 @@ class _Watch:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._waits: dict[int, tuple[float, int]] = {}  # thread id -> (since, peer)
+        self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -222,14 +224,25 @@ class _Watch:
                 target=self._run, name="multimesh-peer-watch", daemon=True
             )
             self._thread.start()
+            # stopped at exit, before the interpreter finalizes: a daemon thread caught
+            # inside the runtime's C++ (a key-value get) then aborts the process
+            # ("FATAL: exception not rethrown"). Registered first, it runs after the
+            # exit handlers registered later (to_host's, which waits for the peers)
+            atexit.register(self.stop)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """End the watch thread (at exit)."""
+        self._stopping.set()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout_s)
 
     def _run(self) -> None:
         exiting_since: dict[int, float] = {}
         noticed: set[tuple[float, int]] = set()
         seen: dict[int, str] = {}  # peer -> the other calls its last check found
         next_all = time.monotonic() + self.PEERS_EVERY_S
-        while True:
-            time.sleep(self.POLL_S)
+        while not self._stopping.wait(self.POLL_S):
             now = time.monotonic()
             with self._lock:
                 waits = list(self._waits.values())
