@@ -512,6 +512,30 @@ def main() -> None:
             for h in (g, f) if i == 1 and jax.process_index() == 1 else (f, g):
                 h(x)
         print("one-way calls ran to the end", flush=True)
+    if which == "aot-ahead":
+        # the same calls everywhere, but process 0 compiles the batch-16 program ahead of
+        # time while process 1 (which only sends) goes on calling the batch-8 one: not a
+        # divergence (it was taken for one: "ran call 2 ... compiled before")
+        mmesh = mm.make_mesh((2, 4), ("stage", "data"))
+
+        def rev(x):
+            with mm.task("b", stage=1):
+                y = jnp.sin(x)
+            with mm.task("a", stage=0):
+                return y * 2
+
+        f = mm.jit(rev, mesh=mmesh)
+        x8, x16 = np.ones((8, 4), np.float32), np.ones((16, 4), np.float32)
+        f(x8)
+        if jax.process_index() == 0:
+            f.lower(x16).compile()
+        for _ in range(3):
+            f(x8)
+            if jax.process_index() == 1:
+                time.sleep(1.5)
+        y = f(x16)
+        np.testing.assert_allclose(mm.distributed.to_host(y), np.sin(x16) * 2, rtol=1e-6)
+        print("compiled ahead ok", flush=True)
     if which in ("diverge-shape", "diverge-order"):
         # rank 1 makes other calls at its third step (a new shape; two programs swapped):
         # a clear error within seconds on both, not a wait of MULTIMESH_PLAN_TIMEOUT

@@ -485,9 +485,10 @@ def _param_token(v: Any, memo: dict[Any, Any]) -> Any:
     if isinstance(v, (jax.sharding.Sharding, jax.sharding.Mesh, jax.Device)):
         # by text (and devices when asked), never by identity below: a Mesh is
         # callable, and a nested jit's ctx_mesh is each stage's own submesh object
+        text = _portable_text(str(v)) if memo.get("portable") else str(v)
         if memo["devices"]:
-            return (type(v).__name__, str(v), _device_ids(v))
-        return (type(v).__name__, str(v))
+            return (type(v).__name__, text, _device_ids(v))
+        return (type(v).__name__, text)
     if isinstance(v, (tuple, list)):
         return (type(v).__name__, *(_param_token(x, memo) for x in v))
     if isinstance(v, (set, frozenset)):  # sorted: a set's order varies between processes
@@ -510,11 +511,19 @@ def _param_token(v: Any, memo: dict[Any, Any]) -> Any:
         return ("callable", type(v).__name__, id(v))
     text = str(v)
     if memo.get("portable"):
-        text = _ADDRESS.sub("0x", text)
+        text = _portable_text(text)
     return (type(v).__name__, text)
 
 
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")  # an object's address in its text
+_BRACES = re.compile(r"\{([^{}]*)\}")  # a set's items (printed in hash order)
+
+
+def _portable_text(text: str) -> str:
+    """``text`` as every process prints it: no object addresses, the items of each
+    ``{...}`` sorted (a set of axis names prints in each process's hash order)."""
+    text = _ADDRESS.sub("0x", text)
+    return _BRACES.sub(lambda m: "{" + ", ".join(sorted(m.group(1).split(", "))) + "}", text)
 
 
 def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
@@ -547,7 +556,7 @@ def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
         if text is None:
             text = repr(c)
             if memo.get("portable"):
-                text = _ADDRESS.sub("0x", text)
+                text = _portable_text(text)
             contexts[id(c)] = text
             memo.setdefault("keep", []).append(c)
         return text

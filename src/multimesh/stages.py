@@ -11,6 +11,7 @@ signature compiles nothing.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import warnings
@@ -316,7 +317,7 @@ class Lowered(_ArgsInfo):
         mmesh = fn.multimesh
         labels = self._labels
         put_sh = fn._put_shardings(labels, self._call, self._flat)
-        _check_same_plan(fn, self._call, self._plan_signature())
+        _check_same_plan(fn, self._call, self._plan_signature(), _FOR_CALL.get())
         with compiling.gc_paused(), _compat.no_mesh_context():
             exe = Executable(
                 self._prog,
@@ -356,8 +357,12 @@ def _portable(x: Any) -> str:
     return f"<{type(x).__module__}.{type(x).__qualname__}>"
 
 
+#: set while ``mm.jit`` compiles for the call at hand (not an ahead-of-time compile)
+_FOR_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("mm_for_call", default=False)
+
+
 def _check_same_plan(
-    fn: MpmdFunction, call: Any, signature: tuple[int, list[str], list[int]]
+    fn: MpmdFunction, call: Any, signature: tuple[int, list[str], list[int]], for_call: bool
 ) -> None:
     """Multi-process: every process must run the same plan for the call at hand (its
     transfers pair up by plan); else a clear error naming the arguments placed
@@ -370,7 +375,13 @@ def _check_same_plan(
     assert loc is not None
     uid, where, devices = signature
     crossproc.check_same_plan(
-        loc, uid, where, fn._signature.leaf_names(call), f"mm.jit of {fn._fun_name!r}", devices
+        loc,
+        uid,
+        where,
+        fn._signature.leaf_names(call),
+        f"mm.jit of {fn._fun_name!r}",
+        devices,
+        for_call=for_call,
     )
 
 
@@ -393,7 +404,8 @@ class Compiled(_ArgsInfo):
         self._plan_sig = lowered._plan_signature()
 
     def _check_same_plan(self) -> None:
-        _check_same_plan(self._fn, self._call, self._plan_sig)
+        """For a call choosing this program for other argument placements."""
+        _check_same_plan(self._fn, self._call, self._plan_sig, for_call=True)
 
     def _arg_names(self) -> list[str]:
         if self._names is None:
