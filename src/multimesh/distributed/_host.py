@@ -120,7 +120,7 @@ def ensure_service() -> None:
                 if len(kv.key_value_dir_get("multimesh/done/")) >= jax.process_count():
                     break
                 time.sleep(0.01)
-            why = _final_check(kv, me)
+            why = _final_check(kv)
         except Exception:  # noqa: BLE001 - the job is already going down
             pass
         server.shutdown()
@@ -160,14 +160,13 @@ def mark_exiting(own_work_s: float = 30.0) -> None:
         pass
 
 
-def _final_check(kv: Any, me: int) -> str | None:
+def _final_check(kv: Any) -> str | None:
     """Once every process is done: whether a peer made other mm.jit calls than this
     one (its final ``crossproc.state()``), which pairs calls with other calls' values
     where nothing waits (a program whose transfers all go one way)."""
     from multimesh.runtime import crossproc
 
-    peers = {int(p) for tag in crossproc.state() for p in tag.split("-")} - {me}
-    for p in sorted(peers):
+    for p in sorted(crossproc.group_peers()):
         try:
             raw = kv.key_value_try_get(f"multimesh/final/{p}")
         except Exception:  # noqa: BLE001 - it did not get this far: nothing to compare

@@ -11,6 +11,7 @@ copies across processes go through the transport (:mod:`multimesh.runtime.transp
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -65,7 +66,9 @@ class _Group:
     runs: int = 0  # calls run (every call of a program over these processes)
     plans: int = 0  # plans compared (the key-value keys' sequence)
     waiting: int = -1  # the plan number this process waits for its peers to build
-    recent: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (run, program)
+    recent: collections.deque[tuple[int, str]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=_KEEP_RUNS)
+    )  # (run, program) of the latest runs
     chain: str = ""  # a digest of the programs of every run so far, in order
 
 
@@ -90,8 +93,6 @@ def note_run(tag: str, uid: int) -> None:
         g.runs += 1
         g.recent.append((g.runs, str(uid)))
         g.chain = str(_compat.stable_hash(f"{g.chain}/{uid}"))
-        if len(g.recent) > _KEEP_RUNS:
-            del g.recent[0]
     from multimesh.distributed import _host
 
     tp.watch_calls()  # this process asks its peers what they ran (first: see _Watch)
@@ -104,6 +105,11 @@ def state() -> dict[str, list[Any]]:
         return {
             t: [g.runs, g.plans, g.waiting, list(g.recent), g.chain] for t, g in _GROUPS.items()
         }
+
+
+def group_peers() -> set[int]:
+    """The other processes this one ran calls with."""
+    return {int(p) for tag in state() for p in tag.split("-")} - {jax.process_index()}
 
 
 def divergence(peer: int, theirs: dict[str, list[Any]] | None) -> str | None:

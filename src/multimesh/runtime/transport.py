@@ -238,6 +238,8 @@ class _Watch:
             t.join(timeout_s)
 
     def _run(self) -> None:
+        from multimesh.runtime import crossproc
+
         exiting_since: dict[int, float] = {}
         noticed: set[tuple[float, int]] = set()
         seen: dict[int, str] = {}  # peer -> the other calls its last check found
@@ -253,7 +255,7 @@ class _Watch:
             peers |= set(seen)
             if now > next_all:
                 next_all = now + self.PEERS_EVERY_S
-                peers |= _group_peers()
+                peers |= crossproc.group_peers()
             if peers:
                 try:
                     self._check_peers(peers, seen)
@@ -308,14 +310,6 @@ class _Watch:
                 _die(f"{why}. {crossproc.DIVERGED_HINT}")
             else:
                 seen[peer] = why
-
-
-def _group_peers() -> set[int]:
-    """The other processes this one ran calls with."""
-    from multimesh.runtime import crossproc
-
-    me = jax.process_index()
-    return {int(p) for tag in crossproc.state() for p in tag.split("-")} - {me}
 
 
 def watch_calls() -> None:
