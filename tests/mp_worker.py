@@ -447,6 +447,44 @@ def diverging_calls(which: str) -> None:
     print(f"diverged calls ran to the end after {time.monotonic() - t0:.0f} s", flush=True)
 
 
+def callback_fails() -> None:
+    """A callback on stage 0 (process 0) raises. First after stage 1's data came in
+    (nothing owed to process 1): process 1's ``to_host`` of the output gets the error.
+    Then before stage 0 sends its data: process 1 waited for it forever; it now stops
+    with process 0's error within seconds."""
+    from jax.experimental import io_callback
+
+    mmesh = mm.make_mesh((2, 1), ("stage", "data"))
+
+    def bad(v):
+        raise RuntimeError("callback failed on purpose")
+
+    def late(x):
+        with mm.task("b", stage=1):
+            h = jnp.sin(x)
+        with mm.task("a", stage=0):
+            return io_callback(bad, jax.ShapeDtypeStruct(x.shape, x.dtype), h)
+
+    def early(x):
+        with mm.task("a", stage=0):
+            h = io_callback(bad, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        with mm.task("b", stage=1):
+            return jnp.sin(h) + 1
+
+    x = np.ones(8, np.float32)
+    for f in (late, early):
+        t0 = time.monotonic()
+        try:
+            mm.distributed.to_host(mm.jit(f, mesh=mmesh)(x))
+            print(f"{f.__name__}: no error", flush=True)
+        except Exception as e:  # noqa: BLE001 - what each process is told
+            print(f"{f.__name__} raised: {e}", flush=True)
+            for note in getattr(e, "__notes__", ()):
+                print(f"{f.__name__} note: {note}", flush=True)
+        print(f"{f.__name__} took {time.monotonic() - t0:.0f} s", flush=True)
+    time.sleep(60)  # process 1 stops meanwhile, and the launcher stops this one
+
+
 def main() -> None:
     out = sys.argv[1]
     which = sys.argv[2] if len(sys.argv) > 2 else "all"
@@ -533,9 +571,16 @@ def main() -> None:
             f(x8)
             if jax.process_index() == 1:
                 time.sleep(1.5)
+        # a new program on both: process 0's compile ahead of time took its plan's
+        # turn, and the plans were "different" (the compile is its own business now,
+        # compared when it first runs)
+        x4 = np.ones((4, 4), np.float32)
+        np.testing.assert_allclose(mm.distributed.to_host(f(x4)), np.sin(x4) * 2, rtol=1e-6)
         y = f(x16)
         np.testing.assert_allclose(mm.distributed.to_host(y), np.sin(x16) * 2, rtol=1e-6)
         print("compiled ahead ok", flush=True)
+    if which == "callback-fails":
+        callback_fails()
     if which in ("diverge-shape", "diverge-order"):
         # rank 1 makes other calls at its third step (a new shape; two programs swapped):
         # a clear error within seconds on both, not a wait of MULTIMESH_PLAN_TIMEOUT

@@ -165,6 +165,29 @@ def test_a_new_shape_on_one_process_is_a_clear_error_within_seconds(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_call_failing_on_one_process_stops_the_processes_waiting_for_it(tmp_path):
+    """A callback raising on process 0's stage: process 1 waited forever for data that
+    never came (inside XLA, in its to_host). Now a failure before process 0 sent its
+    data stops process 1 within seconds with process 0's error, and a to_host of an
+    output of a failed call is that error too."""
+    t0 = time.monotonic()
+    proc = launch(2, 1, str(tmp_path / "r.npz"), "callback-fails", timeout=240)
+    took = time.monotonic() - t0
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output_tail(proc)
+    assert (
+        "[rank 1] late raised: mm.distributed.to_host: the mm.jit call that made this output "
+        "failed on process 0" in text
+    ), output_tail(proc)
+    assert "[rank 0] early raised:" in text and "callback failed on purpose" in text
+    assert "[rank 0] early note: multimesh: process 1 waits for data this call" in text
+    want = "process 0's call 2 of the mm.jit calls of processes 0, 1 failed (JaxRuntimeError"
+    assert want in text and "Stopping this process" in text, output_tail(proc)
+    assert "rank 1 exited with code 1" in text, output_tail(proc)
+    assert "Timeout" not in text and took < 150, output_tail(proc)
+
+
+@pytest.mark.multiprocess
 def test_two_programs_called_in_another_order_are_a_clear_error(tmp_path):
     """Rank 1 calls g before f at its third step; both programs have the same plan text
     (they differ in a constant), so their transfers paired up (a wrong value where the
@@ -197,7 +220,9 @@ def test_calls_in_another_order_that_never_wait_fail_the_job_at_its_end(tmp_path
 @pytest.mark.multiprocess
 def test_a_program_compiled_ahead_on_one_process_is_not_a_divergence(tmp_path):
     """An ahead-of-time compile plans a later call, not the next one: peers that go on
-    with calls meanwhile are not taken for processes that made other calls."""
+    with calls meanwhile are not taken for processes that made other calls, and a new
+    program both then call is not "built different plans" (the compile took a plan's
+    turn on process 0 only; it is compared when it first runs now)."""
     proc = launch(2, 4, str(tmp_path / "r.npz"), "aot-ahead", timeout=240)
     assert proc.returncode == 0, output_tail(proc)
     assert proc.stdout.count("compiled ahead ok") == 2, output_tail(proc)

@@ -1025,3 +1025,19 @@ def negative_static_argnums_from_call() -> bool:
     except Exception:  # noqa: BLE001  (a context that refuses tracing: the newer rule)
         return False
     return bool(traced) and not traced[0]
+
+
+def settle_effects() -> BaseException | None:
+    """Wait for the side effects (callbacks) of this thread's dispatched computations,
+    as JAX's exit handlers do. Where one failed, JAX's handler raises it again, which
+    skips ``jax.distributed``'s shutdown (its peers then abort). The failure is returned
+    here and the tokens are cleared, so JAX's own exit goes on."""
+    tokens = getattr(_dispatch, "runtime_tokens", None)
+    if tokens is None:
+        return None
+    try:
+        tokens.block_until_ready()
+    except Exception as e:  # noqa: BLE001 - the computation's own failure
+        tokens.clear()
+        return e
+    return None

@@ -317,7 +317,11 @@ class Lowered(_ArgsInfo):
         mmesh = fn.multimesh
         labels = self._labels
         put_sh = fn._put_shardings(labels, self._call, self._flat)
-        _check_same_plan(fn, self._call, self._plan_signature(), _FOR_CALL.get())
+        # an ahead-of-time compile is this process's own business (as jax.jit's): its
+        # peers compare plans with it when it first runs (Compiled._unchecked)
+        for_call = _FOR_CALL.get()
+        if for_call:
+            _check_same_plan(fn, self._call, self._plan_signature(), True)
         with compiling.gc_paused(), _compat.no_mesh_context():
             exe = Executable(
                 self._prog,
@@ -337,6 +341,7 @@ class Lowered(_ArgsInfo):
                 digest=self._program_digest if jax.process_count() > 1 else None,
             )
         compiled = Compiled(exe, self, fn)
+        compiled._unchecked = not for_call and jax.process_count() > 1
         fn._register(self._key, compiled)
         return compiled
 
@@ -402,9 +407,13 @@ class Compiled(_ArgsInfo):
         self._names: list[str] | None = None
         self._ndims = [len(k[0]) if len(k) > 1 else 0 for k in self._leaf_keys]
         self._plan_sig = lowered._plan_signature()
+        #: compiled ahead of time in a multi-process run: plans not compared yet
+        self._unchecked = False
 
     def _check_same_plan(self) -> None:
-        """For a call choosing this program for other argument placements."""
+        """For a call choosing this program for other argument placements, or its first
+        run after an ahead-of-time compile: the other processes must run it too."""
+        self._unchecked = False
         _check_same_plan(self._fn, self._call, self._plan_sig, for_call=True)
 
     def _arg_names(self) -> list[str]:
@@ -509,6 +518,8 @@ class Compiled(_ArgsInfo):
         return self.call_flat(flat)
 
     def call_flat(self, flat: Sequence[Any]) -> Any:
+        if self._unchecked:
+            self._check_same_plan()
         if _compat.host_transfers_disallowed():
             self._check_host_guard(flat)
         try:
@@ -555,6 +566,8 @@ class Compiled(_ArgsInfo):
                 "record() measures the compiled fragments, which do not run under "
                 "jax.disable_jit(): call it outside that context."
             )
+        if self._unchecked:
+            self._check_same_plan()
         if _compat.checks_special():
             return self._checked(lambda: self._record(flat), flat)
         return self._record(flat)

@@ -39,6 +39,7 @@ _GID: dict[int, str] = {}
 _SERVICE: dict[str, Any] = {}
 _PEERS: dict[int, tuple[str, int]] = {}
 _LATEST: dict[str, int] = {}  # program -> latest call registered here
+_FAILED: dict[str, str] = {}  # "program:call" -> the error of a call that failed here
 
 
 def register(arrays: list[jax.Array], program: int, call: int) -> None:
@@ -58,6 +59,14 @@ def register(arrays: list[jax.Array], program: int, call: int) -> None:
                 _GID[id(a)] = f"{key}:{k}"
                 weakref.finalize(a, _GID.pop, id(a), None)
     ensure_service()
+
+
+def note_failed(program: int, call: int, error: str) -> None:
+    """A call failed on this process: a peer asking for its outputs gets ``error``."""
+    with _LOCK:
+        _FAILED[f"{program}:{call}"] = error
+        while len(_FAILED) > _KEEP_CALLS * _KEEP_PROGRAMS:
+            _FAILED.pop(next(iter(_FAILED)))
 
 
 def _lookup(gid: str) -> jax.Array | None:
@@ -106,6 +115,16 @@ def ensure_service() -> None:
     def _stop() -> None:
         """At exit (before jax.distributed shuts down: atexit runs last-in first), keep
         answering until every process is done, so a late to_host elsewhere still works."""
+        from multimesh import _compat
+
+        failed = _compat.settle_effects()
+        if failed is not None:  # JAX's exit would raise it, skip its shutdown: peers abort
+            from multimesh.runtime.crossproc import error_summary
+
+            sys.stderr.write(
+                f"multimesh: a callback of this process's computations failed: "
+                f"{error_summary(failed)}\n"
+            )
         mark_exiting()
         why = None
         try:
@@ -253,6 +272,10 @@ class _Handler(socketserver.StreamRequestHandler):
         while True:  # a request may arrive before this process finished that call
             with _LOCK:
                 latest = _LATEST.get(program, -1)
+                failed = _FAILED.get(f"{program}:{call}")
+            if failed is not None:
+                self.wfile.write(json.dumps({"error": "failed", "why": failed}).encode() + b"\n")
+                return
             if int(call) <= latest or time.monotonic() > deadline:
                 break
             time.sleep(0.002)
@@ -264,17 +287,24 @@ class _Handler(socketserver.StreamRequestHandler):
             arr = jax.random.key_data(arr)  # a PRNG key: its key data
         index, blobs = [], []
         seen: set[tuple] = set()
-        for sh in arr.addressable_shards:
-            idx = tuple(
-                (s.start or 0, s.stop if s.stop is not None else n)
-                for s, n in zip(sh.index, arr.shape)
-            )
-            if idx in seen:
-                continue
-            seen.add(idx)
-            data = np.ascontiguousarray(np.asarray(sh.data))
-            index.append(idx)
-            blobs.append(data.tobytes())
+        try:
+            for sh in arr.addressable_shards:
+                idx = tuple(
+                    (s.start or 0, s.stop if s.stop is not None else n)
+                    for s, n in zip(sh.index, arr.shape)
+                )
+                if idx in seen:
+                    continue
+                seen.add(idx)
+                data = np.ascontiguousarray(np.asarray(sh.data))
+                index.append(idx)
+                blobs.append(data.tobytes())
+        except Exception as e:  # noqa: BLE001 - the work making it failed (after the call)
+            from multimesh.runtime.crossproc import error_summary
+
+            why = error_summary(e)
+            self.wfile.write(json.dumps({"error": "failed", "why": why}).encode() + b"\n")
+            return
         head = {"index": index, "dtype": np.dtype(arr.dtype).str, "sizes": [len(b) for b in blobs]}
         self.wfile.write(json.dumps(head).encode() + b"\n")
         for b in blobs:
@@ -353,6 +383,11 @@ def _fetch_from(q: int, gid: str, out: np.ndarray, filled: np.ndarray) -> None:
         if not line:
             raise RuntimeError(_closed(q))
         head = json.loads(line)
+        if head.get("error") == "failed":
+            raise RuntimeError(
+                f"mm.distributed.to_host: the mm.jit call that made this output failed on "
+                f"process {q}, which holds (part of) it: {head['why']}"
+            )
         if "error" in head:
             raise RuntimeError(
                 f"mm.distributed.to_host: process {q} no longer holds this output (it "

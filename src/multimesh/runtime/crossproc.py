@@ -99,6 +99,54 @@ def note_run(tag: str, uid: int) -> None:
     _host.ensure_service()  # ... and they ask it
 
 
+def note_failure(tag: str, owes: Sequence[int], error: BaseException) -> None:
+    """A call over the group ``tag`` failed on this process at run time (a callback
+    raising, say) before it sent the processes ``owes`` their data: they wait for data
+    that will never come, inside XLA, where no error can reach them. Published in the
+    key-value store (it outlives this process's own service), where their watch finds
+    it (:func:`owed_by_failed_peer`) and ends them with this error."""
+    if not owes:
+        return
+    with _GROUPS_LOCK:
+        run = _GROUPS.setdefault(tag, _Group()).runs
+    record = {"owes": sorted(int(p) for p in owes), "error": error_summary(error)}
+    key = f"multimesh/failed/{jax.process_index()}/{tag}/{run}"
+    try:
+        tp.kv_client().key_value_set(key, json.dumps(record))
+    except Exception:  # noqa: BLE001 - the job is going down: its peers are stopped anyway
+        pass
+
+
+def error_summary(error: BaseException, limit: int = 400) -> str:
+    """One line naming ``error``: its type and first line, and its last line where
+    that says more (JAX wraps a callback's exception in a traceback's text)."""
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    if len(lines) > 1:
+        text += f" ... {lines[-1]}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def owed_by_failed_peer() -> str | None:
+    """Why this process can never finish its calls: a peer's call failed before that
+    peer sent this process its part (:func:`note_failure`); ``None`` if none did."""
+    try:
+        entries = tp.kv_client().key_value_dir_get("multimesh/failed/")
+    except Exception:  # noqa: BLE001 - nothing known (the store may be going down)
+        return None
+    me = jax.process_index()
+    for key, raw in sorted(entries):
+        peer, tag, run = key.rsplit("/", 3)[-3:]
+        record = json.loads(raw)
+        if me in record["owes"]:
+            return (
+                f"process {peer}'s call {run} of the mm.jit calls of processes "
+                f"{tag.replace('-', ', ')} failed ({record['error']}) before it sent this "
+                "process that call's data, which therefore never comes"
+            )
+    return None
+
+
 def state() -> dict[str, list[Any]]:
     """This process's calls per group (served to peers by ``to_host``'s service)."""
     with _GROUPS_LOCK:
@@ -599,6 +647,10 @@ def transfer_step(
                 c["shape"], c["dsh"], [got[i] for i in mine]
             )
 
+    #: the processes this step sends data to (their wait on it, were it never sent)
+    run.sends_to = frozenset(  # type: ignore[attr-defined]
+        p.dst_proc for p in pairs if p.src_proc == me and p.dst_proc != me
+    )
     return run, dst_sh
 
 

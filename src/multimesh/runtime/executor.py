@@ -378,6 +378,12 @@ class Executable:
         self.compiled = [compiling.resolve(c) for c in self.compiled]
         self._steps = [_resolved_step(st) for st in steps]
         self._loop = _fold(self._steps)
+        #: multi-process: the processes this one still sends data to from each loop
+        #: position on (a failure there leaves them waiting: ``crossproc.note_failure``)
+        self._owes: list[frozenset[int]] = [frozenset()]
+        for step in reversed(self._loop):
+            self._owes.append(self._owes[-1] | getattr(step[1], "sends_to", frozenset()))
+        self._owes.reverse()
         self._template = template
         self._outs: list[Callable[[list[Any]], Any] | None] = []
         literals: list[tuple[int, Any, Any]] = []
@@ -808,8 +814,9 @@ class Executable:
         if self._group is not None:  # what peers waiting for this process compare
             crossproc.note_run(self._group, self._uid)
         env = self.fresh_env()
+        pos = 0
         try:
-            for code, fn, get, outs, free, copy in self._loop:
+            for pos, (code, fn, get, outs, free, copy) in enumerate(self._loop):  # noqa: B007
                 if code == _RUN:
                     res = fn(*get(env))
                     for i, r in zip(outs, res):
@@ -822,6 +829,7 @@ class Executable:
                     fn(env, args)
                 for i in free:
                     env[i] = None
+            pos = len(self._loop)
             return self.finish(env)
         except BaseException as e:
             # failed at run time (see Compiled._donating): the arguments were checked
@@ -830,7 +838,26 @@ class Executable:
             # consumed its donated arguments
             with contextlib.suppress(AttributeError, TypeError):
                 e.mm_ran = True  # type: ignore[attr-defined]
+            if self._loc is not None:
+                self._failed(e, pos)
             raise
+
+    def _failed(self, e: BaseException, pos: int) -> None:
+        """A multi-process call failed here at loop position ``pos``: the processes
+        still waiting for this call's data, and any asking for its outputs, are told
+        (they stop with this error rather than wait forever)."""
+        from multimesh.distributed import _host
+
+        _host.note_failed(self._uid, self._calls, crossproc.error_summary(e))
+        owes = self._owes[pos]
+        if self._group is not None and owes:
+            crossproc.note_failure(self._group, owes, e)
+            with contextlib.suppress(AttributeError, TypeError):
+                e.add_note(
+                    f"multimesh: process{'es' if len(owes) > 1 else ''} "
+                    f"{', '.join(map(str, sorted(owes)))} wait{'' if len(owes) > 1 else 's'} "
+                    "for data this call would have sent, and will stop with this error."
+                )
 
 
 def _kept_layout(x: Any, target: Any) -> Any:

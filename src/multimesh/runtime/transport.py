@@ -256,6 +256,9 @@ class _Watch:
             if now > next_all:
                 next_all = now + self.PEERS_EVERY_S
                 peers |= crossproc.group_peers()
+                why = crossproc.owed_by_failed_peer()
+                if why is not None:
+                    _die(f"{why}.")
             if peers:
                 try:
                     self._check_peers(peers, seen)
