@@ -485,6 +485,81 @@ def callback_fails() -> None:
     time.sleep(60)  # process 1 stops meanwhile, and the launcher stops this one
 
 
+def callback_fails_ppermute() -> None:
+    """The ppermute transport pairs transfers in call order: process 0's failed call
+    sent nothing, so its next call's transfers paired with the failed one's on process
+    1 (a wrong value there, read before it was stopped). Process 0 makes no later call
+    over those processes now (a clear error), and process 1 stops."""
+    from jax.experimental import io_callback
+
+    from multimesh.runtime import transport
+
+    transport.set_transport("ppermute")
+    mmesh = mm.make_mesh((2, 1), ("stage", "data"))
+
+    def check(v):
+        if float(np.max(v)) > 100:
+            raise RuntimeError("callback failed on purpose")
+        return v
+
+    def f(x):
+        with mm.task("a", stage=0):
+            h = io_callback(check, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        with mm.task("b", stage=1):
+            return jnp.sin(h) + 1
+
+    g = mm.jit(f, mesh=mmesh)
+    x = np.ones(8, np.float32)
+    print("first", mm.distributed.to_host(g(x))[0], flush=True)
+    try:
+        print("failed call value", mm.distributed.to_host(g(x * 200))[0], flush=True)
+    except Exception as e:  # noqa: BLE001 - process 0's failure: it goes on
+        print(f"failed call raised: {str(e)[:100]}", flush=True)
+    try:
+        print("next call value", mm.distributed.to_host(g(x * 2))[0], flush=True)
+    except RuntimeError as e:
+        print(f"next call raised: {e}", flush=True)
+    time.sleep(60)  # process 1 stops meanwhile, and the launcher stops this one
+
+
+def callbacks_both_fail() -> None:
+    """Both stages' callbacks fail in the same call, each before sending the other its
+    data; both catch it. Neither waits for that call's data (their own call failed), so
+    both go on: later calls are right and the job ends well (both were stopped)."""
+    from jax.experimental import io_callback
+
+    mmesh = mm.make_mesh((2, 1), ("stage", "data"))
+
+    def check(v):
+        if float(np.max(np.abs(v))) > 100:
+            raise RuntimeError(f"callback failed on process {jax.process_index()}")
+        return v
+
+    def f(x):
+        with mm.task("a", stage=0):
+            a = io_callback(check, jax.ShapeDtypeStruct(x.shape, x.dtype), jnp.tanh(x) * x)
+        with mm.task("b", stage=1):
+            b = io_callback(check, jax.ShapeDtypeStruct(x.shape, x.dtype), jnp.sin(x) * x)
+        with mm.task("c", stage=0):
+            c = a + b
+        with mm.task("d", stage=1):
+            d = a - b
+        return c, d
+
+    g = mm.jit(f, mesh=mmesh)
+    for k in (1.0, 200.0, 2.0, 3.0):
+        x = np.full((4,), k, np.float32)
+        try:
+            c, d = mm.distributed.to_host(g(x))
+        except Exception:  # noqa: BLE001 - the failing call, on both
+            print(f"call with {k} failed", flush=True)
+            continue
+        np.testing.assert_allclose(c, np.tanh(x) * x + np.sin(x) * x, rtol=1e-6)
+        np.testing.assert_allclose(d, np.tanh(x) * x - np.sin(x) * x, rtol=1e-6)
+    time.sleep(8)  # the peers' watch looks every 5 s: neither is stopped
+    print("both went on", flush=True)
+
+
 def main() -> None:
     out = sys.argv[1]
     which = sys.argv[2] if len(sys.argv) > 2 else "all"
@@ -581,6 +656,10 @@ def main() -> None:
         print("compiled ahead ok", flush=True)
     if which == "callback-fails":
         callback_fails()
+    if which == "callback-fails-ppermute":
+        callback_fails_ppermute()
+    if which == "callbacks-both-fail":
+        callbacks_both_fail()
     if which in ("diverge-shape", "diverge-order"):
         # rank 1 makes other calls at its third step (a new shape; two programs swapped):
         # a clear error within seconds on both, not a wait of MULTIMESH_PLAN_TIMEOUT

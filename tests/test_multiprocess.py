@@ -188,6 +188,36 @@ def test_a_call_failing_on_one_process_stops_the_processes_waiting_for_it(tmp_pa
 
 
 @pytest.mark.multiprocess
+def test_a_failed_call_on_the_ppermute_transport_pairs_with_no_later_call(tmp_path):
+    """The ppermute transport pairs transfers in call order: after process 0's call
+    failed before sending, its next call's transfer paired with the failed one's on
+    process 1, which read a wrong value. Process 0 now refuses later calls over those
+    processes, and process 1 stops with process 0's error."""
+    proc = launch(2, 1, str(tmp_path / "r.npz"), "callback-fails-ppermute", timeout=240)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output_tail(proc)
+    assert "[rank 0] failed call raised:" in text, output_tail(proc)
+    assert "[rank 0] next call raised: mm.jit: call 2 of the mm.jit calls of processes 0, 1 " in (
+        text
+    ), output_tail(proc)
+    assert "transfers pair up in call order" in text, output_tail(proc)
+    assert "[rank 1] failed call value" not in text and "[rank 1] next call" not in text
+    assert "process 0's call 2 of the mm.jit calls of processes 0, 1 failed" in text, (
+        output_tail(proc)
+    )
+
+
+@pytest.mark.multiprocess
+def test_calls_failing_on_both_processes_let_both_go_on(tmp_path):
+    """Each process's call failed before sending the other its data; each caught it and
+    went on (right values), and then each was stopped for the other's failure."""
+    proc = launch(2, 1, str(tmp_path / "r.npz"), "callbacks-both-fail", timeout=240)
+    assert proc.returncode == 0, output_tail(proc)
+    assert proc.stdout.count("call with 200.0 failed") == 2, output_tail(proc)
+    assert proc.stdout.count("both went on") == 2, output_tail(proc)
+
+
+@pytest.mark.multiprocess
 def test_two_programs_called_in_another_order_are_a_clear_error(tmp_path):
     """Rank 1 calls g before f at its third step; both programs have the same plan text
     (they differ in a constant), so their transfers paired up (a wrong value where the

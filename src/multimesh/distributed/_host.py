@@ -300,9 +300,9 @@ class _Handler(socketserver.StreamRequestHandler):
                 index.append(idx)
                 blobs.append(data.tobytes())
         except Exception as e:  # noqa: BLE001 - the work making it failed (after the call)
-            from multimesh.runtime.crossproc import error_summary
+            from multimesh.runtime.crossproc import explain
 
-            why = error_summary(e)
+            why = explain(e)
             self.wfile.write(json.dumps({"error": "failed", "why": why}).encode() + b"\n")
             return
         head = {"index": index, "dtype": np.dtype(arr.dtype).str, "sizes": [len(b) for b in blobs]}
@@ -416,8 +416,15 @@ def to_host(tree: Any) -> Any:
         gid = _GID.get(id(x))  # a PRNG key: served as its key data under the key's id
         if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
             x = jax.random.key_data(x)
-        if x.is_fully_addressable:
-            return np.asarray(x)
-        return _fetch(x, gid)
+        try:
+            if x.is_fully_addressable:
+                return np.asarray(x)
+            return _fetch(x, gid)
+        except Exception as e:
+            if jax.process_count() > 1:  # a peer that failed or stopped first says why
+                from multimesh.runtime.crossproc import explain
+
+                explain(e)
+            raise
 
     return jax.tree.map(conv, tree)

@@ -12,6 +12,7 @@ copies across processes go through the transport (:mod:`multimesh.runtime.transp
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -99,22 +100,68 @@ def note_run(tag: str, uid: int) -> None:
     _host.ensure_service()  # ... and they ask it
 
 
-def note_failure(tag: str, owes: Sequence[int], error: BaseException) -> None:
+def note_failure(tag: str, owes: Sequence[int], summary: str) -> None:
     """A call over the group ``tag`` failed on this process at run time (a callback
-    raising, say) before it sent the processes ``owes`` their data: they wait for data
-    that will never come, inside XLA, where no error can reach them. Published in the
-    key-value store (it outlives this process's own service), where their watch finds
-    it (:func:`owed_by_failed_peer`) and ends them with this error."""
-    if not owes:
-        return
+    raising, say; ``summary``: its error in a line) before it sent the processes ``owes``
+    their data: they wait for data that will never come, inside XLA, where no error can
+    reach them. Published in the key-value store (it outlives this process's own service), where their watch finds
+    it (:func:`owed_by_failed_peer`) and ends them with this error.
+
+    With the ``ppermute`` transport, transfers pair up in call order: a later call over
+    these processes would pair its transfers with the failed call's, so this process
+    makes no more (:func:`check_usable`)."""
     with _GROUPS_LOCK:
         run = _GROUPS.setdefault(tag, _Group()).runs
-    record = {"owes": sorted(int(p) for p in owes), "error": error_summary(error)}
-    key = f"multimesh/failed/{jax.process_index()}/{tag}/{run}"
+        _FAILED_HERE.add((tag, run))
+    if not owes:
+        return
+    if tp.get_transport().name == "ppermute":
+        _UNUSABLE[tag] = (
+            f"call {run} of the mm.jit calls of processes {tag.replace('-', ', ')} failed on "
+            f"this process ({summary}) before it sent {_procs(owes)} data. With the ppermute transport "
+            "transfers pair up in call order, so no later call over these processes can "
+            "run (it would pair with the failed call's transfers): restart the job, or "
+            "use the default transport (MULTIMESH_TRANSPORT=server), with which the "
+            "processes still waiting stop and the others go on"
+        )
+    _publish(f"{tag}/{run}", {"owes": sorted(int(p) for p in owes), "error": summary})
+
+
+def note_stopping(root: str) -> None:
+    """This process stops (:func:`owed_by_failed_peer`; ``root``: the failure that
+    started it): every process it ran calls with would wait for its data in vain; their
+    watch ends them too, naming the root cause."""
+    me = jax.process_index()
+    root = root.replace("this process", f"process {me}")
+    for tag in state():
+        owes = [int(p) for p in tag.split("-") if int(p) != me]
+        _publish(f"{tag}/stop", {"owes": owes, "error": "", "root": root, "stopped": True})
+
+
+def _publish(what: str, record: dict[str, Any]) -> None:
+    key = f"multimesh/failed/{jax.process_index()}/{what}"
     try:
         tp.kv_client().key_value_set(key, json.dumps(record))
     except Exception:  # noqa: BLE001 - the job is going down: its peers are stopped anyway
         pass
+
+
+def check_usable(tag: str) -> None:
+    """Raise if an earlier call over the group ``tag`` failed here in a way that leaves
+    no later call able to run (:func:`note_failure`)."""
+    why = _UNUSABLE.get(tag)
+    if why is not None:
+        raise RuntimeError(f"mm.jit: {why}.")
+
+
+def _procs(procs: Sequence[int]) -> str:
+    """``process 1 its`` / ``processes 1, 2 their``."""
+    ids = ", ".join(map(str, sorted(procs)))
+    return f"processes {ids} their" if len(procs) > 1 else f"process {ids} its"
+
+
+_FAILED_HERE: set[tuple[str, int]] = set()  # (group, run) of calls that failed here
+_UNUSABLE: dict[str, str] = {}  # group -> why no call over it can run any more
 
 
 def error_summary(error: BaseException, limit: int = 400) -> str:
@@ -127,23 +174,71 @@ def error_summary(error: BaseException, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def owed_by_failed_peer() -> str | None:
-    """Why this process can never finish its calls: a peer's call failed before that
-    peer sent this process its part (:func:`note_failure`); ``None`` if none did."""
+def failure_cause() -> str | None:
+    """Why a call or output failed here where a transport's bare error says little
+    ("Connection closed"): the first failure of a peer's call, else a peer that stopped
+    (naming this process by number)."""
+    records = _failure_records()
+    me = jax.process_index()
+    for peer, tag, run, rec in records:
+        if peer != me and not rec.get("stopped"):
+            return _failed_text(peer, tag, run, rec["error"])
+    found = owed_by_failed_peer(records)
+    return None if found is None else found[0].replace("this process", f"process {me}")
+
+
+def explain(error: BaseException) -> str:
+    """``error`` in a line, with :func:`failure_cause` (also added to it as a note)."""
+    summary = error_summary(error)
+    cause = failure_cause()
+    if cause is not None:
+        summary += f" (probably because {cause})"
+        with contextlib.suppress(AttributeError, TypeError):
+            error.add_note(f"multimesh: probably because {cause}.")
+    return summary
+
+
+def _failure_records() -> list[tuple[int, str, str, dict[str, Any]]]:
+    """Every published failure: (process, group, run or ``stop``, record)."""
     try:
         entries = tp.kv_client().key_value_dir_get("multimesh/failed/")
     except Exception:  # noqa: BLE001 - nothing known (the store may be going down)
-        return None
-    me = jax.process_index()
+        return []
+    out = []
     for key, raw in sorted(entries):
         peer, tag, run = key.rsplit("/", 3)[-3:]
-        record = json.loads(raw)
-        if me in record["owes"]:
-            return (
-                f"process {peer}'s call {run} of the mm.jit calls of processes "
-                f"{tag.replace('-', ', ')} failed ({record['error']}) before it sent this "
-                "process that call's data, which therefore never comes"
-            )
+        out.append((int(peer), tag, run, json.loads(raw)))
+    return out
+
+
+def _failed_text(peer: int, tag: str, run: str, error: str) -> str:
+    return (
+        f"process {peer}'s call {run} of the mm.jit calls of processes "
+        f"{tag.replace('-', ', ')} failed ({error})"
+    )
+
+
+def owed_by_failed_peer(
+    records: list[tuple[int, str, str, dict[str, Any]]] | None = None,
+) -> tuple[str, str] | None:
+    """Why this process can never finish its calls, and the failure that started it: a
+    peer's call failed before that peer sent this process its part
+    (:func:`note_failure`), or a peer stopped for that reason (:func:`note_stopping`);
+    ``None`` if none did. A call that failed here too is not waited for (its outputs
+    were never returned)."""
+    me = jax.process_index()
+    records = _failure_records() if records is None else records
+    for peer, tag, run, rec in records:  # a failure first: the stops follow from one
+        if rec.get("stopped") or me not in rec["owes"] or peer == me:
+            continue
+        if (tag, int(run)) in _FAILED_HERE:
+            continue
+        root = _failed_text(peer, tag, run, rec["error"])
+        return f"{root} before it sent this process that call's data, which never comes", root
+    for peer, _tag, _run, rec in records:
+        if rec.get("stopped") and me in rec["owes"] and peer != me:
+            why = f"process {peer} stopped, and this process needs its data (first: {rec['root']})"
+            return why, rec["root"]
     return None
 
 

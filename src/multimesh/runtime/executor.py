@@ -812,6 +812,7 @@ class Executable:
         # (program, call) pair naming cross-process transfers and to_host outputs
         self._calls = _CALLS[self._uid] = _CALLS.get(self._uid, 0) + 1
         if self._group is not None:  # what peers waiting for this process compare
+            crossproc.check_usable(self._group)
             crossproc.note_run(self._group, self._uid)
         env = self.fresh_env()
         pos = 0
@@ -848,15 +849,20 @@ class Executable:
         (they stop with this error rather than wait forever)."""
         from multimesh.distributed import _host
 
-        _host.note_failed(self._uid, self._calls, crossproc.error_summary(e))
+        # a peer that failed or stopped first explains a transport's bare error here
+        summary = crossproc.explain(e) if self._group is not None else crossproc.error_summary(e)
+        _host.note_failed(self._uid, self._calls, summary)
         owes = self._owes[pos]
+        if self._group is not None:
+            crossproc.note_failure(self._group, owes, summary)
         if self._group is not None and owes:
-            crossproc.note_failure(self._group, owes, e)
             with contextlib.suppress(AttributeError, TypeError):
+                many = len(owes) > 1
                 e.add_note(
-                    f"multimesh: process{'es' if len(owes) > 1 else ''} "
-                    f"{', '.join(map(str, sorted(owes)))} wait{'' if len(owes) > 1 else 's'} "
-                    "for data this call would have sent, and will stop with this error."
+                    f"multimesh: process{'es' if many else ''} "
+                    f"{', '.join(map(str, sorted(owes)))} wait{'' if many else 's'} for data "
+                    f"this call would have sent; unless {'their' if many else 'its'} own call "
+                    f"failed too, {'they stop' if many else 'it stops'} with this error."
                 )
 
 

@@ -256,9 +256,10 @@ class _Watch:
             if now > next_all:
                 next_all = now + self.PEERS_EVERY_S
                 peers |= crossproc.group_peers()
-                why = crossproc.owed_by_failed_peer()
-                if why is not None:
-                    _die(f"{why}.")
+                found = crossproc.owed_by_failed_peer()
+                if found is not None:
+                    crossproc.note_stopping(found[1])  # those waiting on this one in turn
+                    _die(f"{found[0]}.")
             if peers:
                 try:
                     self._check_peers(peers, seen)
