@@ -100,10 +100,10 @@ def note_run(tag: str, uid: int) -> None:
     _host.ensure_service()  # ... and they ask it
 
 
-def note_failure(tag: str, owes: Sequence[int], summary: str) -> None:
+def note_failure(tag: str, owes: Sequence[int], summary: str, root: str | None = None) -> None:
     """A call over the group ``tag`` failed on this process at run time (a callback
-    raising, say; ``summary``: its error in a line) before it sent the processes ``owes``
-    their data: they wait for data that will never come, inside XLA, where no error can
+    raising, say; ``summary``: its error in a line; ``root``: an earlier failure
+    elsewhere that caused it, if known) before it sent the processes ``owes`` their data: they wait for data that will never come, inside XLA, where no error can
     reach them. Published in the key-value store (it outlives this process's own service), where their watch finds
     it (:func:`owed_by_failed_peer`) and ends them with this error.
 
@@ -124,7 +124,10 @@ def note_failure(tag: str, owes: Sequence[int], summary: str) -> None:
             "use the default transport (MULTIMESH_TRANSPORT=server), with which the "
             "processes still waiting stop and the others go on"
         )
-    _publish(f"{tag}/{run}", {"owes": sorted(int(p) for p in owes), "error": summary})
+    record: dict[str, Any] = {"owes": sorted(int(p) for p in owes), "error": summary}
+    if root is not None:
+        record["root"] = root
+    _publish(f"{tag}/{run}", record)
 
 
 def note_stopping(root: str) -> None:
@@ -180,22 +183,22 @@ def failure_cause() -> str | None:
     (naming this process by number)."""
     records = _failure_records()
     me = jax.process_index()
-    for peer, tag, run, rec in records:
-        if peer != me and not rec.get("stopped"):
+    for peer, tag, run, rec in records:  # a failure no other one explains
+        if peer != me and not rec.get("stopped") and "root" not in rec:
             return _failed_text(peer, tag, run, rec["error"])
-    found = owed_by_failed_peer(records)
-    return None if found is None else found[0].replace("this process", f"process {me}")
+    for _peer, _tag, _run, rec in records:  # else the first one those name
+        if "root" in rec:
+            return rec["root"].replace("this process", f"process {me}")
+    return None
 
 
-def explain(error: BaseException) -> str:
-    """``error`` in a line, with :func:`failure_cause` (also added to it as a note)."""
-    summary = error_summary(error)
+def explain(error: BaseException) -> str | None:
+    """:func:`failure_cause`, also added to ``error`` as a note ("probably because")."""
     cause = failure_cause()
     if cause is not None:
-        summary += f" (probably because {cause})"
         with contextlib.suppress(AttributeError, TypeError):
             error.add_note(f"multimesh: probably because {cause}.")
-    return summary
+    return cause
 
 
 def _failure_records() -> list[tuple[int, str, str, dict[str, Any]]]:
@@ -233,8 +236,11 @@ def owed_by_failed_peer(
             continue
         if (tag, int(run)) in _FAILED_HERE:
             continue
-        root = _failed_text(peer, tag, run, rec["error"])
-        return f"{root} before it sent this process that call's data, which never comes", root
+        text = _failed_text(peer, tag, run, rec["error"])
+        why = f"{text} before it sent this process that call's data, which never comes"
+        if "root" in rec:  # itself caused by an earlier failure
+            return f"{why} (first: {rec['root']})", rec["root"]
+        return why, text
     for peer, _tag, _run, rec in records:
         if rec.get("stopped") and me in rec["owes"] and peer != me:
             why = f"process {peer} stopped, and this process needs its data (first: {rec['root']})"

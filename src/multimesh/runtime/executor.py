@@ -849,13 +849,16 @@ class Executable:
         (they stop with this error rather than wait forever)."""
         from multimesh.distributed import _host
 
+        summary = crossproc.error_summary(e)
         # a peer that failed or stopped first explains a transport's bare error here
-        summary = crossproc.explain(e) if self._group is not None else crossproc.error_summary(e)
-        _host.note_failed(self._uid, self._calls, summary)
+        cause = crossproc.explain(e) if self._group is not None else None
+        _host.note_failed(
+            self._uid, self._calls, summary if cause is None else f"{summary} (probably because {cause})"
+        )
         owes = self._owes[pos]
         if self._group is not None:
-            crossproc.note_failure(self._group, owes, summary)
-        if self._group is not None and owes:
+            crossproc.note_failure(self._group, owes, summary, root=cause)
+        if self._group is not None and owes and cause is None:
             with contextlib.suppress(AttributeError, TypeError):
                 many = len(owes) > 1
                 e.add_note(
