@@ -103,9 +103,11 @@ def note_run(tag: str, uid: int) -> None:
 def note_failure(tag: str, owes: Sequence[int], summary: str, root: str | None = None) -> None:
     """A call over the group ``tag`` failed on this process at run time (a callback
     raising, say; ``summary``: its error in a line; ``root``: an earlier failure
-    elsewhere that caused it, if known) before it sent the processes ``owes`` their data: they wait for data that will never come, inside XLA, where no error can
-    reach them. Published in the key-value store (it outlives this process's own service), where their watch finds
-    it (:func:`owed_by_failed_peer`) and ends them with this error.
+    elsewhere that caused it, if known) before it sent the processes ``owes`` their
+    data: they wait for data that will never come, inside XLA, where no error can reach
+    them. Published in the key-value store (it outlives this process's own service),
+    where their watch finds it (:func:`owed_by_failed_peer`) and ends them with this
+    error.
 
     With the ``ppermute`` transport, transfers pair up in call order: a later call over
     these processes would pair its transfers with the failed call's, so this process
@@ -118,11 +120,11 @@ def note_failure(tag: str, owes: Sequence[int], summary: str, root: str | None =
     if tp.get_transport().name == "ppermute":
         _UNUSABLE[tag] = (
             f"call {run} of the mm.jit calls of processes {tag.replace('-', ', ')} failed on "
-            f"this process ({summary}) before it sent {_procs(owes)} data. With the ppermute transport "
-            "transfers pair up in call order, so no later call over these processes can "
-            "run (it would pair with the failed call's transfers): restart the job, or "
-            "use the default transport (MULTIMESH_TRANSPORT=server), with which the "
-            "processes still waiting stop and the others go on"
+            f"this process ({summary}) before it sent {_procs(owes)} data. With the "
+            "ppermute transport transfers pair up in call order, so no later call over "
+            "these processes can run (it would pair with the failed call's transfers): "
+            "restart the job, or use the default transport (MULTIMESH_TRANSPORT=server), "
+            "with which the processes still waiting stop and the others go on"
         )
     record: dict[str, Any] = {"owes": sorted(int(p) for p in owes), "error": summary}
     if root is not None:
@@ -221,16 +223,14 @@ def _failed_text(peer: int, tag: str, run: str, error: str) -> str:
     )
 
 
-def owed_by_failed_peer(
-    records: list[tuple[int, str, str, dict[str, Any]]] | None = None,
-) -> tuple[str, str] | None:
+def owed_by_failed_peer() -> tuple[str, str] | None:
     """Why this process can never finish its calls, and the failure that started it: a
     peer's call failed before that peer sent this process its part
     (:func:`note_failure`), or a peer stopped for that reason (:func:`note_stopping`);
     ``None`` if none did. A call that failed here too is not waited for (its outputs
     were never returned)."""
     me = jax.process_index()
-    records = _failure_records() if records is None else records
+    records = _failure_records()
     for peer, tag, run, rec in records:  # a failure first: the stops follow from one
         if rec.get("stopped") or me not in rec["owes"] or peer == me:
             continue

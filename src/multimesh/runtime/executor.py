@@ -852,9 +852,8 @@ class Executable:
         summary = crossproc.error_summary(e)
         # a peer that failed or stopped first explains a transport's bare error here
         cause = crossproc.explain(e) if self._group is not None else None
-        _host.note_failed(
-            self._uid, self._calls, summary if cause is None else f"{summary} (probably because {cause})"
-        )
+        text = summary if cause is None else f"{summary} (probably because {cause})"
+        _host.note_failed(self._uid, self._calls, text)
         owes = self._owes[pos]
         if self._group is not None:
             crossproc.note_failure(self._group, owes, summary, root=cause)
