@@ -52,7 +52,7 @@ from multimesh.compiler.rules import Rules
 from multimesh.mesh import MultiMesh, active_multimesh, reset_active, set_active
 from multimesh.runtime import compiling
 from multimesh.runtime.inputs import committed_sharding
-from multimesh.stages import _FOR_CALL, Compiled, Lowered, Traced, TracedCall
+from multimesh.stages import Compiled, Lowered, Traced, TracedCall
 from multimesh.tasks import TraceState, trace_state, tracing
 
 _compat.register_exclusion(__file__)
@@ -500,11 +500,7 @@ class MpmdFunction:
                             self._cache[key] = c
                             break
                 if compiled is None:
-                    token = _FOR_CALL.set(True)
-                    try:
-                        compiled = self._lower(call, flat, in_tree, key).compile()
-                    finally:
-                        _FOR_CALL.reset(token)
+                    compiled = self._lower(call, flat, in_tree, key)._compile(None, for_call=True)
         return compiled, flat
 
     @_compat.api_boundary

@@ -11,7 +11,6 @@ signature compiles nothing.
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import warnings
@@ -311,6 +310,11 @@ class Lowered(_ArgsInfo):
         """Compile every fragment with XLA for its submesh (``compiler_options`` are
         passed to each fragment's compilation, as ``jax.stages.Lowered.compile`` does).
         Seeds the ``mm.jit`` call cache for these arguments' signature."""
+        return self._compile(compiler_options, for_call=False)
+
+    def _compile(self, compiler_options: dict[str, Any] | None, for_call: bool) -> Compiled:
+        """:meth:`compile`; ``for_call``: for the call at hand (``mm.jit`` calling),
+        not ahead of time."""
         fn = self._fn
         # mm.jit(compiler_options=...) first, these over them (as jax.jit)
         compiler_options = {**fn._compiler_options, **(compiler_options or {})} or None
@@ -319,9 +323,8 @@ class Lowered(_ArgsInfo):
         put_sh = fn._put_shardings(labels, self._call, self._flat)
         # an ahead-of-time compile is this process's own business (as jax.jit's): its
         # peers compare plans with it when it first runs (Compiled._unchecked)
-        for_call = _FOR_CALL.get()
         if for_call:
-            _check_same_plan(fn, self._call, self._plan_signature(), True)
+            _check_same_plan(fn, self._call, self._plan_signature())
         with compiling.gc_paused(), _compat.no_mesh_context():
             exe = Executable(
                 self._prog,
@@ -362,12 +365,8 @@ def _portable(x: Any) -> str:
     return f"<{type(x).__module__}.{type(x).__qualname__}>"
 
 
-#: set while ``mm.jit`` compiles for the call at hand (not an ahead-of-time compile)
-_FOR_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar("mm_for_call", default=False)
-
-
 def _check_same_plan(
-    fn: MpmdFunction, call: Any, signature: tuple[int, list[str], list[int]], for_call: bool
+    fn: MpmdFunction, call: Any, signature: tuple[int, list[str], list[int]]
 ) -> None:
     """Multi-process: every process must run the same plan for the call at hand (its
     transfers pair up by plan); else a clear error naming the arguments placed
@@ -386,7 +385,6 @@ def _check_same_plan(
         fn._signature.leaf_names(call),
         f"mm.jit of {fn._fun_name!r}",
         devices,
-        for_call=for_call,
     )
 
 
@@ -414,7 +412,7 @@ class Compiled(_ArgsInfo):
         """For a call choosing this program for other argument placements, or its first
         run after an ahead-of-time compile: the other processes must run it too."""
         self._unchecked = False
-        _check_same_plan(self._fn, self._call, self._plan_sig, for_call=True)
+        _check_same_plan(self._fn, self._call, self._plan_sig)
 
     def _arg_names(self) -> list[str]:
         if self._names is None:

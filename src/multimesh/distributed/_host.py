@@ -300,10 +300,9 @@ class _Handler(socketserver.StreamRequestHandler):
                 index.append(idx)
                 blobs.append(data.tobytes())
         except Exception as e:  # noqa: BLE001 - the work making it failed (after the call)
-            from multimesh.runtime.crossproc import error_summary, explain
+            from multimesh.runtime.crossproc import explain
 
-            why, cause = error_summary(e), explain(e)
-            why = why if cause is None else f"{why} (probably because {cause})"
+            why = explain(e)[0]
             self.wfile.write(json.dumps({"error": "failed", "why": why}).encode() + b"\n")
             return
         head = {"index": index, "dtype": np.dtype(arr.dtype).str, "sizes": [len(b) for b in blobs]}

@@ -140,7 +140,7 @@ def note_stopping(root: str) -> None:
     root = root.replace("this process", f"process {me}")
     for tag in state():
         owes = [int(p) for p in tag.split("-") if int(p) != me]
-        _publish(f"{tag}/stop", {"owes": owes, "error": "", "root": root, "stopped": True})
+        _publish(f"{tag}/stop", {"owes": owes, "root": root})
 
 
 def _publish(what: str, record: dict[str, Any]) -> None:
@@ -186,7 +186,7 @@ def failure_cause() -> str | None:
     records = _failure_records()
     me = jax.process_index()
     for peer, tag, run, rec in records:  # a failure no other one explains
-        if peer != me and not rec.get("stopped") and "root" not in rec:
+        if peer != me and run != "stop" and "root" not in rec:
             return _failed_text(peer, tag, run, rec["error"])
     for _peer, _tag, _run, rec in records:  # else the first one those name
         if "root" in rec:
@@ -194,17 +194,20 @@ def failure_cause() -> str | None:
     return None
 
 
-def explain(error: BaseException) -> str | None:
-    """:func:`failure_cause`, also added to ``error`` as a note ("probably because")."""
-    cause = failure_cause()
-    if cause is not None:
-        with contextlib.suppress(AttributeError, TypeError):
-            error.add_note(f"multimesh: probably because {cause}.")
-    return cause
+def explain(error: BaseException) -> tuple[str, str | None]:
+    """``error`` in a line with its :func:`failure_cause` ("probably because", also added
+    to ``error`` as a note), and that cause."""
+    summary, cause = error_summary(error), failure_cause()
+    if cause is None:
+        return summary, None
+    with contextlib.suppress(AttributeError, TypeError):
+        error.add_note(f"multimesh: probably because {cause}.")
+    return f"{summary} (probably because {cause})", cause
 
 
 def _failure_records() -> list[tuple[int, str, str, dict[str, Any]]]:
-    """Every published failure: (process, group, run or ``stop``, record)."""
+    """Every published failure: (process, group, run or ``stop`` for a process that
+    stopped (:func:`note_stopping`), record)."""
     try:
         entries = tp.kv_client().key_value_dir_get("multimesh/failed/")
     except Exception:  # noqa: BLE001 - nothing known (the store may be going down)
@@ -232,7 +235,7 @@ def owed_by_failed_peer() -> tuple[str, str] | None:
     me = jax.process_index()
     records = _failure_records()
     for peer, tag, run, rec in records:  # a failure first: the stops follow from one
-        if rec.get("stopped") or me not in rec["owes"] or peer == me:
+        if run == "stop" or me not in rec["owes"] or peer == me:
             continue
         if (tag, int(run)) in _FAILED_HERE:
             continue
@@ -241,8 +244,8 @@ def owed_by_failed_peer() -> tuple[str, str] | None:
         if "root" in rec:  # itself caused by an earlier failure
             return f"{why} (first: {rec['root']})", rec["root"]
         return why, text
-    for peer, _tag, _run, rec in records:
-        if rec.get("stopped") and me in rec["owes"] and peer != me:
+    for peer, _tag, run, rec in records:
+        if run == "stop" and me in rec["owes"] and peer != me:
             why = f"process {peer} stopped, and this process needs its data (first: {rec['root']})"
             return why, rec["root"]
     return None
@@ -346,7 +349,6 @@ def check_same_plan(
     what: str,
     devices: Sequence[int],
     timeout_s: float | None = None,
-    for_call: bool = True,
 ) -> None:
     """Every process must build the same plan for the same call (the transfers pair up by
     plan): compare this process's plan with those of the other processes holding the
@@ -355,10 +357,9 @@ def check_same_plan(
     process's devices, or on none of this process's, compares nothing.
 
     ``inputs`` describes where each flat argument is on this process; ``names`` are
-    the arguments' paths (for the message). ``for_call``: the plan is for this
-    process's next call (not an ahead-of-time ``compile()``, which may come before
-    calls its peers make meanwhile): only then do peers that ran that call with
-    another program tell it apart from a slow one (:func:`divergence`)."""
+    the arguments' paths (for the message). The plan is for this process's next call
+    (an ahead-of-time ``compile()`` compares when it first runs), so peers that ran
+    that call with another program are told apart from slow ones (:func:`divergence`)."""
     if timeout_s is None:
         timeout_s = peer_timeout_s()
     tag = group_tag(loc, devices)
@@ -370,8 +371,7 @@ def check_same_plan(
     kv = tp.kv_client()
     mine = {"uid": str(uid), "inputs": list(inputs)}
     kv.key_value_set(f"multimesh/plan/{tag}/{seq}/{loc.me}", json.dumps(mine))
-    if for_call:
-        g.waiting = seq
+    g.waiting = seq
     try:
         for p in map(int, tag.split("-")):
             if p != loc.me:
@@ -385,7 +385,6 @@ def check_same_plan(
                     names,
                     what,
                     timeout_s,
-                    for_call,
                 )
     finally:
         g.waiting = -1
@@ -401,7 +400,6 @@ def _compare_plan(
     names: Sequence[str],
     what: str,
     timeout_s: float,
-    for_call: bool = True,
 ) -> None:
     """Wait for process ``p``'s plan number ``seq`` (under ``key``) and compare it with
     this process's (``mine``): a clear error where they differ, where ``p`` exits first,
@@ -422,7 +420,7 @@ def _compare_plan(
         f"same call (its plan number {seq}); every process must call the same mm.jit "
         "functions in the same order, with arguments of the same shapes (a process "
         "running a program it compiled before plans nothing).",
-        check=diverged if for_call else None,
+        check=diverged,
     )
     if raw is _GONE:
         raise RuntimeError(

@@ -851,8 +851,7 @@ class Executable:
 
         summary = crossproc.error_summary(e)
         # a peer that failed or stopped first explains a transport's bare error here
-        cause = crossproc.explain(e) if self._group is not None else None
-        text = summary if cause is None else f"{summary} (probably because {cause})"
+        text, cause = crossproc.explain(e) if self._group is not None else (summary, None)
         _host.note_failed(self._uid, self._calls, text)
         owes = self._owes[pos]
         if self._group is not None:
