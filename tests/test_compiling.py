@@ -996,6 +996,82 @@ def test_sharding_devices_only_in_device_fingerprints():
     )
 
 
+def test_rng_counters_are_host_inputs_so_identical_layers_share_their_init(monkeypatch):
+    """NNX's RNG counters (``count + 1`` after ``count + 1`` from a literal zero) differ
+    per layer, so each stage's part of a model's init was a program of its own. They are
+    computed on the host and given as inputs: identical layers on several stages compile
+    once (relocated to the others); the parameters are jax.jit's exactly."""
+    from flax import nnx
+
+    from multimesh.runtime import executor
+
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List(
+                [
+                    mm.flax.task(nnx.Linear(8, 8, rngs=rngs), stage=i, name=f"l{i}")
+                    for i in range(4)
+                ]
+            )
+
+    def ctor(key):
+        return Model(nnx.Rngs(key))
+
+    compiles: list[str] = []
+    real = executor._compile
+
+    def counted(body, in_sh, out_sh, donate, avals, options, info, mesh):
+        compiles.append(info.name)
+        return real(body, in_sh, out_sh, donate, avals, options, info, mesh)
+
+    monkeypatch.setattr(executor, "_compile", counted)
+    key = jax.random.key(3)
+    want = jax.tree.leaves(jax.jit(lambda k: nnx.state(ctor(k)))(key))
+    model = mm.flax.create(ctor, key, mesh=mesh)
+    got = jax.tree.leaves(nnx.state(model))
+    assert len(got) == len(want) == 8
+    for a, r in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+    # without host scalars there was a program per stage (4 compiles)
+    assert len(compiles) < 4, compiles
+
+
+def test_host_scalars_wrap_as_xla_and_keep_what_must_stay():
+    """Integer scalars computed on the host wrap around as XLA's do; returned and
+    weakly typed ones stay made by the program (their types as under jax.jit); values
+    equal jax.jit's."""
+    from multimesh.compiler import host_inputs
+    from multimesh.compiler.ir import FlatProgram
+
+    def f(x):
+        big = jnp.uint32(4294967295) + jnp.uint32(3)  # wraps to 2
+        neg = -jnp.int32(2147483647) - jnp.int32(5)  # wraps around too
+        weak = jnp.int32(7) * 2
+        back = jnp.uint8(200) + jnp.uint8(100)
+        cmp = (big < jnp.uint32(5)).astype(jnp.int32) + jnp.maximum(neg, jnp.int32(-3))
+        with mm.task("a", stage=1):
+            y = x * big.astype(jnp.float32) + cmp.astype(jnp.float32) * weak
+        return y, back
+
+    closed = jax.make_jaxpr(f)(jnp.ones(3, jnp.float32))
+    j = closed.jaxpr
+    prog = FlatProgram(list(j.invars), list(j.constvars), list(closed.consts), list(j.outvars),
+                       list(j.eqns))
+    new, consts, keep = host_inputs.bind_host_scalars(prog)
+    assert keep is not None and len(new.eqns) < len(prog.eqns)
+    values = sorted(int(c.value) for c in consts.values())
+    assert 2 in values, values  # the wrapped uint32
+    assert all(c.value.shape == () for c in consts.values())
+    mesh = mm.make_mesh((4,), ("stage",), devices=jax.devices()[:4])
+    x = np.arange(3, dtype=np.float32)
+    got, want = mm.jit(f, mesh=mesh)(x), jax.jit(f)(x)
+    for a, r in zip(got, want):
+        assert (a.dtype, a.weak_type) == (r.dtype, r.weak_type)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
 def test_stages_differing_only_in_nested_constants_do_not_share_an_executable():
     """Two stages run the same nested jit closing over different constants: their
     printed jaxprs are identical (a nested jit's constants are not printed), so keying

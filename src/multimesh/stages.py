@@ -186,6 +186,11 @@ class Lowered(_ArgsInfo):
         prog, host_consts, keep = host_inputs.bind_host_consts(prog, labels)
         if keep is not None:
             labels = labels.select(keep)
+        # ... and integer scalars computed from literals (RNG counters)
+        prog, host_scalars, keep = host_inputs.bind_host_scalars(prog)
+        if keep is not None:
+            labels = labels.select(keep)
+        host_consts = {**host_consts, **host_scalars}
         # where layouts are known before compiling (data replicated on each submesh),
         # microbatches of arguments already on a submesh are cut inside each
         # microbatch's work, at offsets given as inputs

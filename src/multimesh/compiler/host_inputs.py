@@ -12,6 +12,12 @@
   donated, so every call reuses it): the submeshes' pre-loop programs then differ less
   (one program of gradient zeros, shared by every stage, instead of one more compile for
   the stage that also sums the loss).
+- **Host scalars.** Integer scalars computed from literals only (NNX's RNG counters:
+  ``count + 1`` after ``count + 1`` from a literal zero, one more per initializer called)
+  are computed on the host, and those the program uses become host constants. The
+  stages' parts of a model's init then differ only in these inputs' values, not in their
+  programs: identical layers on several stages compile once (relocated to the others'
+  devices), where every stage's counter chain was a program of its own.
 - **Microbatch cuts.** Where layouts are replicated, a static slice of an argument that
   is already on a submesh, used by one microbatch only, becomes a ``dynamic_slice`` in
   that microbatch at offsets given as host constants: every microbatch is still one
@@ -189,6 +195,95 @@ def bind_host_consts(
     if not consts:
         return prog, {}, None
     prog, keep = _with_inputs(prog, new_vars, drop)
+    return prog, consts, keep
+
+
+#: integer scalar operations computed on the host exactly as XLA computes them (no
+#: division, remainder or shifts: their edge cases differ from NumPy's)
+_HOST_SCALAR_OPS: dict[str, Any] = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "neg": np.negative,
+    "max": np.maximum,
+    "min": np.minimum,
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "lt": np.less,
+    "le": np.less_equal,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+    "convert_element_type": lambda x: x,  # the cast to the output's dtype does it
+}
+
+
+def _int_scalar(aval: Any) -> bool:
+    dt = getattr(aval, "dtype", None)
+    return (
+        getattr(aval, "shape", None) == ()
+        and isinstance(dt, np.dtype)
+        and (np.issubdtype(dt, np.integer) or dt == np.bool_)
+    )
+
+
+def _host_scalar(e: Any, known: dict[Any, np.ndarray]) -> np.ndarray | None:
+    """The value of equation ``e`` (an exact integer scalar operation on literals or
+    values in ``known``), computed with NumPy; ``None`` if it is not one."""
+    fn = _HOST_SCALAR_OPS.get(e.primitive.name)
+    if fn is None or len(e.outvars) != 1 or e.effects or not _int_scalar(e.outvars[0].aval):
+        return None
+    args = []
+    for v in e.invars:
+        if isinstance(v, Literal):
+            if not _int_scalar(v.aval):
+                return None
+            args.append(np.asarray(v.val, dtype=v.aval.dtype))
+        elif v in known:
+            args.append(known[v])
+        else:
+            return None
+    with np.errstate(all="ignore"):  # integer arithmetic wraps around, as in XLA
+        return np.asarray(fn(*args)).astype(e.outvars[0].aval.dtype)
+
+
+def bind_host_scalars(prog: FlatProgram) -> tuple[FlatProgram, dict[int, HostConst], list[int] | None]:
+    """Integer scalars computed from literals only (exact integer operations) are
+    computed on the host; those that other equations use become program inputs appended
+    after ``prog.invars`` (host constants). A value that is returned, or weakly typed (a
+    host array is strongly typed), stays made by the program, with what it needs.
+    Returns the program, the new inputs by their index in ``invars``, and the kept
+    equations' indices (``None``: all)."""
+    known: dict[Any, np.ndarray] = {}
+    made: dict[int, list[Any]] = {}  # eqn -> its outputs, computed on the host
+    for i, e in enumerate(prog.eqns):
+        val = _host_scalar(e, known)
+        if val is not None:
+            known[e.outvars[0]] = val
+            made[i] = list(e.outvars)
+    if not made:
+        return prog, {}, None
+    uses = _Uses(prog)
+    producer = {v: i for i, vs in made.items() for v in vs}
+    # equations left in the program, and the host values they need, until neither grows
+    while True:
+        kept = [i for i in range(len(prog.eqns)) if i not in made]
+        needed = {
+            v
+            for i in kept
+            for v in prog.eqns[i].invars
+            if not isinstance(v, Literal) and v in producer
+        }
+        returned = uses.outs & set(producer)
+        unfit = returned | {v for v in needed if v.aval.weak_type}
+        if not unfit:
+            break
+        for v in unfit:
+            made.pop(producer.pop(v), None)
+    if not made:
+        return prog, {}, None
+    new_vars = sorted(needed, key=lambda v: producer[v])
+    consts = {len(prog.invars) + k: HostConst(known[v]) for k, v in enumerate(new_vars)}
+    prog, keep = _with_inputs(prog, new_vars, set(made))
     return prog, consts, keep
 
 

@@ -231,7 +231,8 @@ def owed_by_failed_peer() -> tuple[str, str] | None:
     peer's call failed before that peer sent this process its part
     (:func:`note_failure`), or a peer stopped for that reason (:func:`note_stopping`);
     ``None`` if none did. A call that failed here too is not waited for (its outputs
-    were never returned)."""
+    were never returned), nor is a stopped peer by a process whose last call with it
+    failed here."""
     me = jax.process_index()
     records = _failure_records()
     for peer, tag, run, rec in records:  # a failure first: the stops follow from one
@@ -244,10 +245,17 @@ def owed_by_failed_peer() -> tuple[str, str] | None:
         if "root" in rec:  # itself caused by an earlier failure
             return f"{why} (first: {rec['root']})", rec["root"]
         return why, text
-    for peer, _tag, run, rec in records:
-        if run == "stop" and me in rec["owes"] and peer != me:
-            why = f"process {peer} stopped, and this process needs its data (first: {rec['root']})"
-            return why, rec["root"]
+    for peer, tag, run, rec in records:
+        if run != "stop" or me not in rec["owes"] or peer == me:
+            continue
+        with _GROUPS_LOCK:
+            group = _GROUPS.get(tag)
+        if group is None or (tag, group.runs) in _FAILED_HERE:
+            # no call here over those processes, or the last one failed here too: this
+            # process waits for none of the stopped one's data (until it calls again)
+            continue
+        why = f"process {peer} stopped, and this process needs its data (first: {rec['root']})"
+        return why, rec["root"]
     return None
 
 
