@@ -677,6 +677,31 @@ def test_rank_0_failing_is_named_not_the_rank_aborted_after_it(tmp_path):
     )
     assert proc.returncode != 0
     assert "multimesh.launch: rank 0 exited with code 1" in proc.stderr, output_tail(proc)
+    # its traceback is repeated at the end, after rank 1's abort messages
+    summary = proc.stderr.rsplit("multimesh.launch: rank 0's last output:\n", 1)[-1]
+    assert summary.startswith("[rank 0] Traceback (most recent call last)"), output_tail(proc)
+    assert "[rank 0] RuntimeError: bad config on rank 0" in summary, output_tail(proc)
+    assert "[rank 1]" not in summary, output_tail(proc)
+
+
+def test_the_failed_ranks_last_words_are_its_last_traceback():
+    """The launcher repeats, from the failed rank's last lines, its last traceback (at
+    most SUMMARY_LINES lines, the end kept) without gloo's connection lines; with no
+    traceback, its last lines."""
+    from collections import deque
+
+    from multimesh.distributed.launch import SUMMARY_LINES, _last_words
+
+    lines = [f"[rank 1] step {i}\n" for i in range(5)]
+    lines += ["[rank 1] Traceback (most recent call last):\n", "[rank 1] old\n"]
+    lines += ["[rank 1] Gloo connected to 7 peer ranks\n"]
+    lines += ["[rank 1] Traceback (most recent call last):\n", '[rank 1]   File "x.py"\n']
+    lines += ["[rank 1] ValueError: the cause\n"]
+    words = _last_words(deque(lines))
+    assert words == "".join(lines[-3:])
+    long = [f"[rank 2] line {i}\n" for i in range(3 * SUMMARY_LINES)]
+    assert _last_words(deque(long)) == "".join(long[-SUMMARY_LINES:])
+    assert _last_words(deque()) == ""
 
 
 @pytest.mark.parametrize("reply", [b"", b'{"index": [[[0, 4]]], "dtype": "<f4", "sizes": [16]}\n\0\0'])

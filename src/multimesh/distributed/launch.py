@@ -6,8 +6,10 @@
 Starts N processes of ``script.py`` (each one calls ``mm.distributed.initialize()``,
 which joins the job from the environment set here), prefixes every output line with
 its rank, forwards SIGINT/SIGTERM, and if any process fails or is killed, stops the
-others and exits non-zero within seconds, naming the rank. No process outlives it
-(children die with the launcher, even if it is killed).
+others and exits non-zero within seconds, naming the rank and repeating that rank's
+last output (its traceback) at the end, where the other ranks' messages about the
+broken connection no longer bury it. No process outlives it (children die with the
+launcher, even if it is killed).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +37,7 @@ from multimesh.distributed._init import (
 )
 
 GRACE_SECONDS = 5.0
+SUMMARY_LINES = 40  # of the failed rank's output, repeated after the others' at the end
 
 
 def free_port() -> int:
@@ -124,14 +128,36 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return ns
 
 
-def _pump(stream, rank: int, out, tracebacks: dict[int, float] | None = None) -> None:
+def _pump(
+    stream,
+    rank: int,
+    out,
+    tracebacks: dict[int, float] | None = None,
+    recent: deque[str] | None = None,
+) -> None:
+    """Copy a rank's stream to ``out`` line by line, prefixed with its rank; note when
+    it first prints a traceback and keep its last lines in ``recent``."""
     prefix = f"[rank {rank}] "
     for line in iter(stream.readline, ""):
         if tracebacks is not None and line.startswith("Traceback (most recent call last)"):
             tracebacks.setdefault(rank, time.monotonic())
-        out.write(prefix + line if line.endswith("\n") else prefix + line + "\n")
+        text = prefix + line if line.endswith("\n") else prefix + line + "\n"
+        if recent is not None:
+            recent.append(text)
+        out.write(text)
         out.flush()
     stream.close()
+
+
+def _last_words(recent: deque[str]) -> str:
+    """What to repeat of a failed rank's output: from its last traceback on (at most
+    ``SUMMARY_LINES`` lines, its end kept), else its last lines; lines that only report
+    collective connections (gloo's "connected to N peer ranks") are left out."""
+    lines = [ln for ln in recent.copy() if "peer ranks" not in ln]  # copy: one C call
+    starts = [i for i, ln in enumerate(lines) if "Traceback (most recent call last)" in ln]
+    if starts:
+        lines = lines[starts[-1] :]
+    return "".join(lines[-SUMMARY_LINES:])
 
 
 def _culprit(
@@ -165,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
     tracebacks: dict[int, float] = {}  # rank -> when it first printed a traceback
+    recent: list[deque[str]] = []  # per rank: its last lines, both streams
     # handlers first: a signal while ranks start (one may already be printing) is
     # forwarded to those started, and no more start
     stopping: dict[str, Any] = {"signal": None, "at": 0.0}
@@ -199,8 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             preexec_fn=_die_with_parent,
         )
         procs.append(proc)
+        recent.append(deque(maxlen=4 * SUMMARY_LINES))
         for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-            t = threading.Thread(target=_pump, args=(stream, rank, out, tracebacks), daemon=True)
+            t = threading.Thread(
+                target=_pump, args=(stream, rank, out, tracebacks, recent[rank]), daemon=True
+            )
             t.start()
             pumps.append(t)
 
@@ -262,6 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failed is not None:
         rank, code = failed
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        sys.stdout.flush()
+        words = _last_words(recent[rank])
+        if words:
+            sys.stderr.write(f"multimesh.launch: rank {rank}'s last output:\n{words}")
         sys.stderr.write(
             f"multimesh.launch: rank {rank} {how}; stopped the other {ns.nproc - 1} process(es).\n"
         )
