@@ -560,6 +560,45 @@ def callbacks_both_fail() -> None:
     print("both went on", flush=True)
 
 
+def slow_compile() -> None:
+    """Process 1 compiles 35 s longer than process 0; the program's first collective
+    spans both (one submesh over the 2 processes). JAX's CPU collectives connect the
+    processes at that collective and give up after 30 s: process 0, which ran first,
+    failed ("Gloo context initialization failed"). It now waits until both compiled.
+    Then process 1's compile fails: process 0 stops with its error, not a timeout."""
+    from jax.sharding import PartitionSpec
+
+    from multimesh.runtime import executor
+
+    mmesh = mm.make_mesh((1, 2), ("stage", "data"))
+    orig = executor.Executable.__init__
+    slow = {"s": 35.0 if jax.process_index() == 1 else 0.0, "fail": False}
+
+    def patched(self, *a, **k):
+        time.sleep(slow["s"])
+        if slow["fail"]:
+            raise RuntimeError("compile failed on purpose")
+        orig(self, *a, **k)
+
+    executor.Executable.__init__ = patched
+
+    def f(x):
+        with mm.task("a", stage=0):
+            x = jax.lax.with_sharding_constraint(x, PartitionSpec("data"))
+            return jnp.sum(jnp.sin(x))
+
+    x = np.arange(8, dtype=np.float32)
+    g = mm.jit(f, mesh=mmesh)
+    got = float(mm.distributed.to_host(g(x)))
+    np.testing.assert_allclose(got, np.sin(x).sum(), rtol=1e-5)
+    print("slow compile ok", flush=True)
+    slow.update(s=0.0, fail=jax.process_index() == 1)
+    try:
+        g(np.ones((4, 8), np.float32))
+    except Exception as e:  # noqa: BLE001 - printed for the test
+        print("failed compile raised:", str(e).splitlines()[0], flush=True)
+
+
 def main() -> None:
     out = sys.argv[1]
     which = sys.argv[2] if len(sys.argv) > 2 else "all"
@@ -654,6 +693,8 @@ def main() -> None:
         y = f(x16)
         np.testing.assert_allclose(mm.distributed.to_host(y), np.sin(x16) * 2, rtol=1e-6)
         print("compiled ahead ok", flush=True)
+    if which == "slow-compile":
+        slow_compile()
     if which == "callback-fails":
         callback_fails()
     if which == "callback-fails-ppermute":

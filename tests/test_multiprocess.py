@@ -259,6 +259,22 @@ def test_a_program_compiled_ahead_on_one_process_is_not_a_divergence(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_a_peer_compiling_longer_than_gloos_connect_timeout(tmp_path):
+    """Process 1 compiles 35 s longer; the program's first collective spans both
+    processes. Process 0 ran first and failed after 30 s in gloo's connect ("Gloo
+    context initialization failed", an 8-process CI failure under load): processes
+    now wait until every peer compiled its part. A compile failing on process 1 stops
+    process 0 with that error."""
+    proc = launch(2, 1, str(tmp_path / "r.npz"), "slow-compile", timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output_tail(proc)
+    assert text.count("slow compile ok") == 2 and "Gloo" not in text, output_tail(proc)
+    assert "[rank 1] failed compile raised: compile failed on purpose" in text, output_tail(proc)
+    want = "process 1 failed to compile its part of this call: RuntimeError: compile failed"
+    assert f"[rank 0] failed compile raised: mm.jit of 'f': {want}" in text, output_tail(proc)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(1300)  # 8 processes share the cores: minutes on a loaded machine
 @pytest.mark.parametrize("layout", [(2, 4), (4, 2), (8, 1)], ids=["2x4", "4x2", "8x1"])
 def test_every_program_and_schedule(layout, baseline, tmp_path):

@@ -11,10 +11,11 @@ signature compiles nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -328,9 +329,8 @@ class Lowered(_ArgsInfo):
         put_sh = fn._put_shardings(labels, self._call, self._flat)
         # an ahead-of-time compile is this process's own business (as jax.jit's): its
         # peers compare plans with it when it first runs (Compiled._unchecked)
-        if for_call:
-            _check_same_plan(fn, self._call, self._plan_signature())
-        with compiling.gc_paused(), _compat.no_mesh_context():
+        plan = _check_same_plan(fn, self._call, self._plan_signature()) if for_call else None
+        with _all_compiled(fn, plan), compiling.gc_paused(), _compat.no_mesh_context():
             exe = Executable(
                 self._prog,
                 labels,
@@ -372,18 +372,19 @@ def _portable(x: Any) -> str:
 
 def _check_same_plan(
     fn: MpmdFunction, call: Any, signature: tuple[int, list[str], list[int]]
-) -> None:
+) -> tuple[str, int] | None:
     """Multi-process: every process must run the same plan for the call at hand (its
     transfers pair up by plan); else a clear error naming the arguments placed
-    differently, instead of a hang. A no-op in one process."""
+    differently, instead of a hang. A no-op in one process. Returns what
+    :func:`_all_compiled` takes (``None``: nothing compared)."""
     if jax.process_count() == 1:
-        return
+        return None
     from multimesh.runtime import crossproc
 
     loc = crossproc.locality()
     assert loc is not None
     uid, where, devices = signature
-    crossproc.check_same_plan(
+    return crossproc.check_same_plan(
         loc,
         uid,
         where,
@@ -391,6 +392,28 @@ def _check_same_plan(
         f"mm.jit of {fn._fun_name!r}",
         devices,
     )
+
+
+@contextlib.contextmanager
+def _all_compiled(fn: MpmdFunction, plan: tuple[str, int] | None) -> Iterator[None]:
+    """Around compiling a compared plan (``plan``: from :func:`_check_same_plan`): then
+    wait for the other processes to have compiled theirs (``crossproc.all_compiled``),
+    or tell them this process failed to."""
+    if plan is None:
+        yield
+        return
+    from multimesh.runtime import crossproc
+
+    loc = crossproc.locality()
+    assert loc is not None
+    what = f"mm.jit of {fn._fun_name!r}"
+    try:
+        yield
+    except BaseException as e:
+        with contextlib.suppress(Exception):  # the compile error is the one to raise
+            crossproc.all_compiled(loc, plan, what, error=e)
+        raise
+    crossproc.all_compiled(loc, plan, what)
 
 
 class Compiled(_ArgsInfo):
@@ -415,9 +438,12 @@ class Compiled(_ArgsInfo):
 
     def _check_same_plan(self) -> None:
         """For a call choosing this program for other argument placements, or its first
-        run after an ahead-of-time compile: the other processes must run it too."""
+        run after an ahead-of-time compile: the other processes must run it too (and
+        have compiled it: this process has)."""
         self._unchecked = False
-        _check_same_plan(self._fn, self._call, self._plan_sig)
+        plan = _check_same_plan(self._fn, self._call, self._plan_sig)
+        with _all_compiled(self._fn, plan):
+            pass
 
     def _arg_names(self) -> list[str]:
         if self._names is None:

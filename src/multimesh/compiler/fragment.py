@@ -387,6 +387,10 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
             if sched.splits_backward:
                 _split_backward(groups, loop, prog, placement, transfers_from)
         rebuild_edges()
+        for loop, (sched, rows, _m) in sched_rows.items():
+            if sched.splits_backward:
+                while _defer_joins(groups, loop, rows, prog, source_group):
+                    rebuild_edges()
 
     # 4. per-submesh order
     for g in groups:
@@ -1010,6 +1014,46 @@ def _split_backward(groups, loop, prog, placement, transfers_from):
             g.eqns = g.eqns & need
 
 
+def _defer_joins(groups, loop, rows, prog, source_group) -> bool:
+    """Move the work of a W step that needs a W step its submesh's order runs *later*
+    into that later step; whether anything moved (the caller rebuilds the edges and
+    calls again until nothing does).
+
+    A weight used by two virtual stages on one submesh (a shared weight) has its
+    gradient contributions summed, and accumulated over microbatches, in the W of the
+    stage the backward reaches last. An order (``Custom``) that runs that W first still
+    runs: the sum, and what follows it, run with the later W. Only W work moves (it
+    sends nothing another submesh waits for), and only later on its own submesh."""
+    pos = {a: k for row in rows for k, a in enumerate(row)}
+
+    def step(x: int) -> int | None:
+        gx = groups[x]
+        ok = gx.alive and gx.phase == "W" and gx.mb is not None and gx.mb[0] == loop
+        return pos.get(gx.actions[0]) if ok and gx.actions else None
+
+    for gid, g in enumerate(groups):
+        k = step(gid)
+        if k is None or not g.eqns:
+            continue
+        later = {p for p in g.pred if groups[p].stage == g.stage and (step(p) or -1) > k}
+        if not later:
+            continue
+        into = max(later, key=lambda x: step(x) or 0)
+        moved: set[int] = set()
+        made: set[Any] = set()  # the moved equations' results
+        for i in sorted(g.eqns):  # program order: producers before consumers
+            ins = [a for a in prog.eqns[i].invars if not isinstance(a, Literal)]
+            if any(a in made or source_group((a, g.stage)) in later for a in ins):
+                moved.add(i)
+                made.update(prog.eqns[i].outvars)
+        if not moved:
+            continue
+        g.eqns -= moved
+        groups[into].eqns |= moved
+        return True
+    return False
+
+
 def _loop_order(groups, loop_groups, sched_rows, topo):
     by_action: dict[Action, list[int]] = {}
     for gid in loop_groups:
@@ -1129,38 +1173,50 @@ def _dispatch_order(groups, seqs: dict[int, list[int]], effects: bool = False) -
                     pos[s] += 1
                     progressed = True
         if not progressed:
-            for s, seq in seqs.items():
-                if pos[s] < len(seq):
-                    gid = seq[pos[s]]
-                    need = next(p for p in groups[gid].pred if p not in done)
-                    what = groups[gid].actions or [f"level {groups[gid].level}"]
-                    dep = groups[need].actions or [f"level {groups[need].level}"]
-                    raise ValueError(
-                        f"invalid schedule: step {pos[s]} on stage {s} ({what[0]}) cannot run: "
-                        f"it needs {dep[0]} on stage {groups[need].stage}, which is "
-                        "scheduled after work that waits on this step (deadlock). Reorder "
-                        "the schedule, or check the placement: in a pipeline each stage's "
-                        "forward may only use earlier stages' forwards (a layer placed on "
-                        "an earlier stage than its inputs needs its own, later stage)."
-                        + (
-                            " Here a microbatch needs an earlier microbatch's work on a "
-                            "later stage: state carried from one microbatch to the next "
-                            "(one nnx.Rngs shared by dropout layers on several stages) "
-                            "must be changed on one stage only; give each stage its own "
-                            "(an Rngs per stage), or use a schedule that runs each stage's "
-                            "microbatches after that state is made."
-                            if _later_stage_of_earlier_mb(groups[gid], groups[need])
-                            else ""
-                        )
-                        + (
-                            " The program has ordered effects (io_callback / debug.print "
-                            "with ordered=True), which must run in program order; use "
-                            "ordered=False inside pipelined loops if their order does "
-                            "not matter."
-                            if effects
-                            else ""
-                        )
-                    )
+            heads = [
+                (s, seq[pos[s]], p)
+                for s, seq in seqs.items()
+                if pos[s] < len(seq)
+                for p in sorted(groups[seq[pos[s]]].pred)
+                if p not in done
+            ]
+            # a step waiting on work its own submesh runs later explains the deadlock
+            # best; else the first submesh's
+            own = [h for h in heads if groups[h[2]].stage == h[0]]
+            s, gid, need = (own or heads)[0]
+            what = groups[gid].actions or [f"level {groups[gid].level}"]
+            dep = groups[need].actions or [f"level {groups[need].level}"]
+            where = (
+                "which this submesh's order runs after it"
+                if groups[need].stage == s
+                else f"on submesh {groups[need].stage}, which is scheduled after "
+                "work that waits on this step"
+            )
+            raise ValueError(
+                f"invalid schedule: {what[0]} on submesh {s} cannot run: it needs "
+                f"{dep[0]}, {where} (deadlock). Reorder "
+                "the schedule, or check the placement: in a pipeline each stage's "
+                "forward may only use earlier stages' forwards (a layer placed on "
+                "an earlier stage than its inputs needs its own, later stage)."
+                + (
+                    " Here a microbatch needs an earlier microbatch's work on a "
+                    "later stage: state carried from one microbatch to the next "
+                    "(one nnx.Rngs shared by dropout layers on several stages) "
+                    "must be changed on one stage only; give each stage its own "
+                    "(an Rngs per stage), or use a schedule that runs each stage's "
+                    "microbatches after that state is made."
+                    if _later_stage_of_earlier_mb(groups[gid], groups[need])
+                    else ""
+                )
+                + (
+                    " The program has ordered effects (io_callback / debug.print "
+                    "with ordered=True), which must run in program order; use "
+                    "ordered=False inside pipelined loops if their order does "
+                    "not matter."
+                    if effects
+                    else ""
+                )
+            )
     return order
 
 

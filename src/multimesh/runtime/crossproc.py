@@ -357,12 +357,14 @@ def check_same_plan(
     what: str,
     devices: Sequence[int],
     timeout_s: float | None = None,
-) -> None:
+) -> tuple[str, int] | None:
     """Every process must build the same plan for the same call (the transfers pair up by
     plan): compare this process's plan with those of the other processes holding the
     program's ``devices`` (ids), before anything runs, and name the arguments placed
     differently instead of hanging in a transfer that never pairs. A program on one
-    process's devices, or on none of this process's, compares nothing.
+    process's devices, or on none of this process's, compares nothing. Returns the
+    group and plan number to pass to :func:`all_compiled` once the plan is compiled
+    (``None``: nothing to compare).
 
     ``inputs`` describes where each flat argument is on this process; ``names`` are
     the arguments' paths (for the message). The plan is for this process's next call
@@ -372,7 +374,7 @@ def check_same_plan(
         timeout_s = peer_timeout_s()
     tag = group_tag(loc, devices)
     if tag is None:
-        return  # no transfer between processes, or none this process takes part in
+        return None  # no transfer between processes, or none this process takes part in
     with _GROUPS_LOCK:
         g = _GROUPS.setdefault(tag, _Group())
         seq, g.plans = g.plans, g.plans + 1
@@ -396,6 +398,61 @@ def check_same_plan(
                 )
     finally:
         g.waiting = -1
+    return tag, seq
+
+
+def all_compiled(
+    loc: Locality, plan: tuple[str, int], what: str, error: BaseException | None = None
+) -> None:
+    """Once this process compiled its part of a plan (``plan``: from
+    :func:`check_same_plan`), wait until the other processes of its group compiled
+    theirs, so that none starts running first. JAX's CPU collectives (gloo) connect a
+    group's processes at its first collective and give up after 30 s: a process that
+    finished compiling early waited there for a peer still compiling (8 processes on 2
+    cores) and failed with "Gloo context initialization failed". ``error``: this
+    process failed to compile (its peers stop with it, instead of waiting)."""
+    tag, seq = plan
+    kv = tp.kv_client()
+    mine = "ok" if error is None else "failed: " + explain(error)[0]
+    kv.key_value_set(f"multimesh/compiled/{tag}/{seq}/{loc.me}", mine)
+    if error is not None:
+        return
+    timeout_s = peer_timeout_s()
+    for p in map(int, tag.split("-")):
+        if p == loc.me:
+            continue
+
+        def diverged(p: int = p) -> str | None:
+            from multimesh.distributed import _host
+
+            why = divergence(p, _host.peer_state(p))
+            return None if why is None else f"{what}: {why}. {DIVERGED_HINT}"
+
+        raw = _wait_for(
+            kv,
+            f"multimesh/compiled/{tag}/{seq}/{p}",
+            p,
+            timeout_s,
+            f"{what} on process {loc.me} has waited {{s:.0f}} s for process {p} to "
+            f"compile its part of the same call (plan number {seq}).",
+            check=diverged,
+        )
+        if raw is _GONE:
+            raise RuntimeError(
+                f"{what}: process {p} exited while compiling its part of this call (plan "
+                f"number {seq}); see its log."
+            )
+        if raw is None:
+            raise RuntimeError(
+                f"{what}: process {p} did not compile its part of this call within "
+                f"{timeout_s:.0f} s (MULTIMESH_PLAN_TIMEOUT)."
+            )
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if text.startswith("failed: "):
+            raise RuntimeError(
+                f"{what}: process {p} failed to compile its part of this call: "
+                f"{text[len('failed: '):]}"
+            )
 
 
 def _compare_plan(
