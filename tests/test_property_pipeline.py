@@ -219,6 +219,25 @@ _EXAMPLES = int(os.environ.get("MULTIMESH_PIPELINE_EXAMPLES", "8"))
         "order": custom_order(random.Random(5).randrange, 4, 1, 2),
     }
 )
+@example(  # found by this test: the last microbatch's gradient sum made B wait for W
+    {
+        "submeshes": 4,
+        "data": False,
+        "schedule": "custom",
+        "microbatches": 4,
+        "kinds": ["plain", "plain", "plain", "plain"],
+        "shared": [0, 2],
+        "order": [
+            [[0, m, "F"] for m in range(4)] + [[0, m, p] for m in range(4) for p in "BW"],
+            [[1, 0, "F"], [1, 1, "F"], [1, 0, "B"], [1, 0, "W"], [1, 2, "F"], [1, 3, "F"]]
+            + [[1, m, p] for m in (1, 2, 3) for p in "BW"],
+            [[2, 0, "F"], [2, 0, "B"], [2, 0, "W"], [2, 1, "F"], [2, 2, "F"], [2, 3, "F"]]
+            + [[2, 1, "B"], [2, 1, "W"], [2, 2, "B"], [2, 3, "B"], [2, 2, "W"], [2, 3, "W"]],
+            [[3, 0, "F"], [3, 0, "B"], [3, 0, "W"], [3, 1, "F"], [3, 1, "B"], [3, 1, "W"]]
+            + [[3, 2, "F"], [3, 2, "B"], [3, 3, "F"], [3, 3, "B"], [3, 2, "W"], [3, 3, "W"]],
+        ],
+    }
+)
 def test_random_pipelines_match_jit(desc):
     note(
         "pipeline description (reproduce with check_pipeline(desc)):\n"

@@ -983,18 +983,33 @@ def _pipeline_order(groups, mine, virt_of, used) -> list[int]:
 
 
 def _split_backward(groups, loop, prog, placement, transfers_from):
-    """Split each backward loop group into B (what other stages need, and what that needs
-    on this stage, across its segments) and W (the rest)."""
+    """Split each backward loop group into B (what other stages' work in the loop needs,
+    and what that needs on this stage, across its segments) and W (the rest).
+
+    A value sent only to work after the loop (the last microbatch's sum of a weight's
+    gradient, for a weight whose gradients meet on another stage) is W work: in B it
+    made the last microbatch's B wait for the previous microbatch's W, which an order
+    may run later (a deadlock in a ``Custom`` order, found by the property test)."""
     parts: dict[tuple[int, Any], list[int]] = {}
+    read_in_loop: set[Slot] = set()  # (value, stage) read by this loop's work
     for gid, g in enumerate(groups):
-        if g.alive and g.mb is not None and g.mb[0] == loop and g.phase == "B":
-            parts.setdefault((g.stage, g.mb), []).append(gid)
+        if g.alive and g.mb is not None and g.mb[0] == loop:
+            for i in g.eqns:
+                read_in_loop.update(
+                    (a, g.stage) for a in prog.eqns[i].invars if not isinstance(a, Literal)
+                )
+            if g.phase == "B":
+                parts.setdefault((g.stage, g.mb), []).append(gid)
+
+    def sent_into_loop(o: Any, stage: int) -> bool:
+        return any((o, dst) in read_in_loop for dst in transfers_from.get((o, stage), ()))
+
     for (stage, _mb), gids in parts.items():
         eqns = sorted(set().union(*(groups[gid].eqns for gid in gids)))
         producer = {o: i for i in eqns for o in prog.eqns[i].outvars}
         need: set[int] = set()
         stack = [
-            producer[o] for i in eqns for o in prog.eqns[i].outvars if (o, stage) in transfers_from
+            producer[o] for i in eqns for o in prog.eqns[i].outvars if sent_into_loop(o, stage)
         ]
         while stack:
             i = stack.pop()
