@@ -4,8 +4,8 @@ A Hypothesis strategy draws a *pipeline description* (plain data): the number of
 submeshes (2 or 4, with or without a data axis), the schedule (GPipe, 1F1B, interleaved
 1F1B, ZB-H1, or a ``Custom`` order: a random valid interleaving of each submesh's
 steps, W phases split), the number of microbatches, one layer kind per virtual stage
-(plain, residual, RMS-normalised, rematerialised, ``lax.cond``, ``lax.scan``) and
-optionally a weight shared by two virtual stages. :func:`build` turns it into a loss;
+(plain, residual, RMS-normalised, rematerialised, ``lax.cond``, ``lax.scan``,
+``lax.fori_loop``, ``jax.vmap``) and optionally a weight shared by two virtual stages. :func:`build` turns it into a loss;
 ``mm.microbatch(jax.value_and_grad(loss), M, schedule=...)`` under ``mm.jit`` must equal
 the same function under ``jax.jit`` (tasks transparent there), for two SGD steps (the
 second on parameters committed where the first step's gradients live).
@@ -36,7 +36,7 @@ from multimesh import schedules as S
 
 BATCH, WIDTH = 8, 8
 RTOL, ATOL = 1e-5, 1e-6
-KINDS = ["plain", "res", "rms", "remat", "cond", "scan"]
+KINDS = ["plain", "res", "rms", "remat", "cond", "scan", "fori", "vmap"]
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h1", "custom"]
 
 
@@ -126,6 +126,10 @@ def _layer(kind: str, h: jax.Array, w: jax.Array) -> jax.Array:
     if kind == "scan":
         out, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), h, None, length=2)
         return out
+    if kind == "fori":
+        return jax.lax.fori_loop(0, 2, lambda _, c: jnp.tanh(c @ w) * 0.9, h)
+    if kind == "vmap":
+        return jax.vmap(lambda r: jnp.tanh(r @ w + r))(h)
     raise ValueError(kind)
 
 
