@@ -1050,10 +1050,11 @@ def _defer_joins(groups, loop, rows, prog, source_group) -> bool:
         k = step(gid)
         if k is None or not g.eqns:
             continue
-        later = {p for p in g.pred if groups[p].stage == g.stage and (step(p) or -1) > k}
+        at = {p: step(p) for p in g.pred if groups[p].stage == g.stage}
+        later = {p for p, t in at.items() if t is not None and t > k}
         if not later:
             continue
-        into = max(later, key=lambda x: step(x) or 0)
+        into = max(later, key=at.__getitem__)
         moved: set[int] = set()
         made: set[Any] = set()  # the moved equations' results
         for i in sorted(g.eqns):  # program order: producers before consumers

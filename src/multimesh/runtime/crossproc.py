@@ -413,7 +413,7 @@ def all_compiled(
     process failed to compile (its peers stop with it, instead of waiting)."""
     tag, seq = plan
     kv = tp.kv_client()
-    mine = "ok" if error is None else "failed: " + explain(error)[0]
+    mine = "ok" if error is None else "failed: " + error_summary(error)
     kv.key_value_set(f"multimesh/compiled/{tag}/{seq}/{loc.me}", mine)
     if error is not None:
         return
@@ -421,13 +421,6 @@ def all_compiled(
     for p in map(int, tag.split("-")):
         if p == loc.me:
             continue
-
-        def diverged(p: int = p) -> str | None:
-            from multimesh.distributed import _host
-
-            why = divergence(p, _host.peer_state(p))
-            return None if why is None else f"{what}: {why}. {DIVERGED_HINT}"
-
         raw = _wait_for(
             kv,
             f"multimesh/compiled/{tag}/{seq}/{p}",
@@ -435,7 +428,7 @@ def all_compiled(
             timeout_s,
             f"{what} on process {loc.me} has waited {{s:.0f}} s for process {p} to "
             f"compile its part of the same call (plan number {seq}).",
-            check=diverged,
+            check=_diverged(p, what),
         )
         if raw is _GONE:
             raise RuntimeError(
@@ -455,6 +448,19 @@ def all_compiled(
             )
 
 
+def _diverged(p: int, what: str) -> Callable[[], str | None]:
+    """A ``check`` for :func:`_wait_for`: why process ``p`` made other calls than this
+    one (asked from its service), or ``None`` while it may only be slower."""
+
+    def check() -> str | None:
+        from multimesh.distributed import _host
+
+        why = divergence(p, _host.peer_state(p))
+        return None if why is None else f"{what}: {why}. {DIVERGED_HINT}"
+
+    return check
+
+
 def _compare_plan(
     kv: Any,
     key: str,
@@ -469,13 +475,6 @@ def _compare_plan(
     """Wait for process ``p``'s plan number ``seq`` (under ``key``) and compare it with
     this process's (``mine``): a clear error where they differ, where ``p`` exits first,
     or where ``p`` is found to have made other calls (:func:`divergence`)."""
-
-    def diverged() -> str | None:
-        from multimesh.distributed import _host
-
-        why = divergence(p, _host.peer_state(p))
-        return None if why is None else f"{what}: {why}. {DIVERGED_HINT}"
-
     raw = _wait_for(
         kv,
         key,
@@ -485,7 +484,7 @@ def _compare_plan(
         f"same call (its plan number {seq}); every process must call the same mm.jit "
         "functions in the same order, with arguments of the same shapes (a process "
         "running a program it compiled before plans nothing).",
-        check=diverged,
+        check=_diverged(p, what),
     )
     if raw is _GONE:
         raise RuntimeError(
