@@ -256,6 +256,24 @@ def test_bad_multimesh_args():
         mm.make_mesh((2, 2), ("stage", "data"), devices=jax.devices()[:2] * 2)
 
 
+class _OtherPlatformDevice:
+    """Stands for an accelerator beside the CPU devices: its id repeats a CPU device's."""
+
+    platform, id, process_index = "tpu", 0, 0
+
+
+def test_a_multimesh_of_several_platforms_is_refused():
+    # A TPU or GPU host also has CPU devices, numbered from 0 as well: a mesh mixing them
+    # was refused as "lists devices [0] more than once" (seen on a TPU machine).
+    mixed = Mesh(
+        np.array([_OtherPlatformDevice(), jax.devices()[1]], dtype=object),
+        ("stage",),
+        axis_types=(AxisType.Auto,),
+    )
+    with pytest.raises(ValueError, match=r"mixes devices of several platforms \(cpu, tpu\)"):
+        mm.MultiMesh(mixed)
+
+
 def test_task_in_scan_across_stages(mesh4x2):
     def f(x):
         def body(c, _):

@@ -58,6 +58,13 @@ class MultiMesh:
                 "axis_types=(jax.sharding.AxisType.Auto,) * ndim, and use shard_map inside "
                 "a task for manual collectives."
             )
+        platforms = sorted({d.platform for d in mesh.devices.flat})
+        if len(platforms) > 1:  # device ids repeat across platforms; plans key by id
+            raise ValueError(
+                f"the mesh mixes devices of several platforms ({', '.join(platforms)}); a "
+                "MultiMesh's devices must all be of one platform: build it from "
+                "jax.devices() of one backend (jax.devices('cpu'), jax.devices('gpu'), ...)."
+            )
         ids = [int(d.id) for d in mesh.devices.flat]
         if len(set(ids)) != len(ids):
             twice = sorted({i for i in ids if ids.count(i) > 1})

@@ -184,8 +184,8 @@ def _check_mesh(mesh: Any, name: str, mmesh: MultiMesh | None) -> Mesh:
             "it with jax.sharding.Mesh(devices, names, axis_types=(AxisType.Auto,) * ndim)."
         )
     if mmesh is not None:
-        known = {d.id for d in mmesh.devices}
-        foreign = sorted(d.id for d in mesh.devices.flat if d.id not in known)
+        known = set(mmesh.devices)  # devices, not ids: ids repeat across platforms
+        foreign = [d for d in mesh.devices.flat if d not in known]
         if foreign:
             raise ValueError(
                 f"task {name!r}: its mesh uses devices {foreign} that are not in the "

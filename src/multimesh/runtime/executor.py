@@ -621,6 +621,7 @@ class Executable:
         put = jax.device_put
         make = jax.make_array_from_single_device_arrays
         pieces_of = _compat.single_device_arrays
+        rewrap = _compat.rewrap
 
         splitters: dict[int, Callable[..., Any]] = {}
 
@@ -655,7 +656,7 @@ class Executable:
                         if ok is None:
                             ok = same[(a, sh)] = _compat.same_layout_as(x, home)
                         if ok:
-                            x = make(x.shape, home, pieces_of(x))
+                            x = rewrap(x, home)
                             here = True
                 if here:
                     for sid in direct:
