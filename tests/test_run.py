@@ -425,6 +425,34 @@ def test_gpu_backend_without_gpus_is_a_usage_error():
     assert "--backend gpu: JAX found no GPU devices" in r.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is not None, reason="a TPU runtime is installed"
+)
+def test_tpu_backend_without_tpus_is_a_usage_error():
+    r = subprocess.run(
+        [sys.executable, "-m", "multimesh.run", "--backend", "tpu", "--num-steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--backend tpu: JAX found no TPU devices" in r.stderr.strip().splitlines()[-1]
+
+
+def test_model_flops_utilisation_knows_tpus(monkeypatch):
+    from multimesh.run import report
+
+    class Dev:
+        platform, device_kind = "tpu", "TPU v5 lite"
+
+    monkeypatch.setattr(report.jax, "devices", lambda: [Dev()])
+    assert report.peak_flops() == 197e12  # not "TPU v5" (v5p), whose name it contains
+    Dev.device_kind = "TPU v5"
+    assert report.peak_flops() == 459e12
+    Dev.platform = "cpu"
+    assert report.peak_flops() is None
+
+
 def test_metrics_are_strict_json(tmp_path):
     """A NaN loss is written as null (bare NaN is not JSON; strict parsers reject it)."""
     import argparse

@@ -107,7 +107,9 @@ def parser() -> argparse.ArgumentParser:
     )
     mb.add_argument("--microbatch-size", type=_positive, default=None, help="rows per microbatch")
     hw = p.add_argument_group("hardware")
-    hw.add_argument("--backend", choices=("cpu", "gpu"), default="cpu", help="JAX backend")
+    hw.add_argument(
+        "--backend", choices=("cpu", "gpu", "tpu"), default="cpu", help="JAX backend"
+    )
     hw.add_argument(
         "--cpus",
         type=_positive,
@@ -404,7 +406,7 @@ def setup_backend(ns: argparse.Namespace) -> bool:
     multi = mm.distributed.initialize()
     import jax
 
-    want = "cpu" if ns.backend == "cpu" else "cuda"
+    want = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}[ns.backend]
     if jax.config.jax_platforms != want:
         jax.config.update("jax_platforms", want)
     if ns.backend == "cpu" and not multi:

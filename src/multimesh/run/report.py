@@ -15,6 +15,11 @@ PEAK_FLOPS = {
     "A100": 312e12,
     "L4": 121e12,
     "V100": 125e12,
+    # TPUs by device_kind, the more specific names first ("TPU v5 lite" holds "TPU v5")
+    "TPU v6 lite": 918e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5": 459e12,
+    "TPU v4": 275e12,
 }
 
 
@@ -40,7 +45,7 @@ class _Quiet:
 
 def peak_flops() -> float | None:
     dev = jax.devices()[0]
-    if dev.platform != "gpu" and dev.platform != "cuda":
+    if dev.platform not in ("gpu", "cuda", "tpu"):
         return None
     kind = getattr(dev, "device_kind", "")
     for name, flops in PEAK_FLOPS.items():
