@@ -153,6 +153,23 @@ def test_mesh_overlapping_a_stage(mesh4x2):
         run(f, mesh4x2, jnp.ones(4))
 
 
+def test_mesh_task_reshaping_a_used_submesh(mesh222):
+    line = Mesh(np.array(jax.devices()[4:]), ("model",), axis_types=(AxisType.Auto,))
+
+    def f(x):
+        with mm.task("s1", stage=1):
+            x = x * 3
+        with mm.task("flat", mesh=line):  # submesh 1's devices, in order, as 1-D
+            return x + 1
+
+    with pytest.raises(
+        ValueError,
+        match=r"task 'flat'.*shape \{'model': 4\}\) overlaps the devices of task 's1' "
+        r"\(stage 1\).*same order and mesh shape",
+    ):
+        run(f, mesh222, jnp.ones(4))
+
+
 def test_mesh_tasks_on_submeshes_no_stage_task_uses(mesh4x2):
     """mesh= tasks on part of (or across) MultiMesh submeshes that no stage= task uses
     run (every submesh reserved its devices, even unused ones); values and gradients as

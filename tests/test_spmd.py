@@ -195,6 +195,30 @@ def test_explicit_meshes_of_different_shapes():
     assert sorted({fr.devices for fr in plan.fragments}) == [(0, 1, 2, 3), (4, 5), (6,)]
 
 
+def test_mesh_task_on_an_unused_submeshs_devices_in_another_shape(mesh222):
+    """A mesh= task on submesh 1's devices, in their order but as a 1-D mesh, receiving a
+    value sharded on submesh 0: compiled for its own mesh (was JAX's IndivisibleError,
+    the fragment compiled for submesh 1's 2x2 mesh)."""
+    line = Mesh(np.array(jax.devices()[4:]), ("model",), axis_types=(AxisType.Auto,))
+
+    def f(x, w):
+        with mm.task("a", mesh=mesh222.submesh(0)):
+            h = jax.lax.with_sharding_constraint(jnp.sin(x @ w), P("data", "model"))
+        with mm.task("b", mesh=line):
+            return jnp.sum((h * 2.0) ** 2)
+
+    x, w = _w((8, 8), 3), _w((8, 8), 4)
+    g = jax.value_and_grad(f, argnums=1)
+    got = mm.jit(g, mesh=mesh222)(x, w)
+
+    def plain(x, w):
+        return jnp.sum((jnp.sin(x @ w) * 2.0) ** 2)
+
+    assert_close(got, jax.jit(jax.value_and_grad(plain, argnums=1))(x, w))
+    plan = mm.jit(g, mesh=mesh222).lower(x, w).plan
+    assert {fr.devices for fr in plan.fragments} == {(0, 1, 2, 3), (4, 5, 6, 7)}
+
+
 def test_device_put_with_partition_spec_inside_a_task(mesh4x2):
     def f(x):
         with mm.task("t", stage=1):

@@ -105,7 +105,9 @@ def label(
     if mmesh is not None:
         for i in range(mmesh.num_stages):
             targets.append(Target(i, mmesh.submesh(i), f"stage{i}"))
-    by_devs: dict[tuple[int, ...], int] = {t.device_ids: t.index for t in targets}
+    # a mesh= task on a submesh's devices is that submesh only if they are laid out the
+    # same (order and shape): its code's shardings are read on its own mesh's axes
+    by_devs: dict[tuple[Any, ...], int] = {_layout(t.mesh): t.index for t in targets}
     owner: dict[int, tuple[int, str]] = {}  # device id -> (target, first task name)
     # the MultiMesh's submeshes that stage= tasks use reserve their devices; an unused
     # one leaves them to mesh= tasks (on part of it, or across two)
@@ -120,9 +122,10 @@ def label(
         for d in t.device_ids:
             if d in owner and owner[d][0] != t.index:
                 raise ValueError(
-                    f"task {name!r}: its mesh (devices {list(t.device_ids)}) overlaps the "
-                    f"devices of {owner[d][1]} without being the same submesh; tasks must "
-                    "use disjoint device sets, or exactly the same devices in the same order."
+                    f"task {name!r}: its mesh (devices {list(t.device_ids)}, shape "
+                    f"{dict(t.mesh.shape)}) overlaps the devices of {owner[d][1]} without "
+                    "being the same submesh; tasks must use disjoint device sets, or exactly "
+                    "the same devices in the same order and mesh shape."
                 )
             owner[d] = (t.index, label or f"task {name!r}")
 
@@ -164,7 +167,7 @@ def label(
             )
             return ref.stage % mmesh.num_stages  # virtual stage -> submesh
         mesh: Mesh = ref.mesh
-        ids = tuple(int(d.id) for d in mesh.devices.flat)
+        ids = _layout(mesh)
         if ids in by_devs:
             reserve(targets[by_devs[ids]], ref.name)
             return by_devs[ids]
@@ -297,3 +300,8 @@ def hoist_invariants(prog: FlatProgram, labels: Labels, follow: Any = frozenset(
     if new == mbs:
         return labels
     return dataclasses.replace(labels, microbatch=new)
+
+
+def _layout(mesh: Mesh) -> tuple[Any, ...]:
+    """A mesh's devices in order, and its shape (axis names aside)."""
+    return (tuple(int(d.id) for d in mesh.devices.flat), mesh.devices.shape)
