@@ -144,10 +144,16 @@ def test_checkpoint_dir_errors_before_training(tmp_path, capsys):
     mm.checkpoint.save(tmp_path / "one", {"w": np.ones(2, np.float32)})
     for args, message in [
         (["--checkpoint-dir", str(afile)], "is a file, not a directory"),
-        (["--checkpoint-dir", str(tmp_path / "ck")], "holds checkpoints (steps [3]); pass --resume"),
+        (
+            ["--checkpoint-dir", str(tmp_path / "ck")],
+            "holds checkpoints (steps [3]); pass --resume",
+        ),
         (["--dump", str(afile)], "is a file; give a directory"),
         # a numbered folder that is no checkpoint (was a traceback after building the model)
-        (["--checkpoint-dir", str(tmp_path / "other")], "numbered folders that are not checkpoints (7)"),
+        (
+            ["--checkpoint-dir", str(tmp_path / "other")],
+            "numbered folders that are not checkpoints (7)",
+        ),
         (["--checkpoint-dir", str(tmp_path / "other"), "--resume"], "that are not checkpoints"),
         # one mm.checkpoint.save checkpoint (steps were written inside it)
         (["--checkpoint-dir", str(tmp_path / "one"), "--resume"], "is one checkpoint"),
@@ -161,8 +167,13 @@ def test_checkpoint_dir_errors_before_training(tmp_path, capsys):
 
 def test_default_pp_leaves_room_for_tp_and_fsdp():
     p = cli.parser()
-    for flags, want in [([], (4, 2)), (["--tp", "4"], (2, 1)), (["--fsdp", "4"], (2, 1)),
-                        (["--tp", "8"], (1, 1)), (["--tp", "2", "--fsdp", "2"], (2, 1))]:
+    for flags, want in [
+        ([], (4, 2)),
+        (["--tp", "4"], (2, 1)),
+        (["--fsdp", "4"], (2, 1)),
+        (["--tp", "8"], (1, 1)),
+        (["--tp", "2", "--fsdp", "2"], (2, 1)),
+    ]:
         ns = p.parse_args(flags)
         cli.validate(ns, 8, p)
         assert (ns.pp, ns.dp) == want, flags
@@ -338,8 +349,17 @@ def test_under_mpirun_and_slurm_equals_one_process(kind, tmp_path):
     job = random.randrange(1000, 4000)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "multimesh.run", *args, "--metrics", str(tmp_path / f"{r}.json")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                "-m",
+                "multimesh.run",
+                *args,
+                "--metrics",
+                str(tmp_path / f"{r}.json"),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             env={**env, **_cluster_env(kind, r, 2, job), "MULTIMESH_DEVICES_PER_PROCESS": "4"},
         )  # fmt: skip
         for r in range(2)
@@ -381,16 +401,40 @@ def test_checkpoint_resume_continues_the_loss_curve(tmp_path, capsys):
     assert resumed["first_step"] == 2
     assert resumed["losses"] == full["losses"][2:]  # bit-identical continuation
     shutil.rmtree(ck / "4")
-    other = go("other", "--pp", "1", "--tp", "2", "--dp", "4", "--num-layers", "2",
-               "--checkpoint-dir", str(ck), "--resume")
+    other = go(
+        "other",
+        "--pp",
+        "1",
+        "--tp",
+        "2",
+        "--dp",
+        "4",
+        "--num-layers",
+        "2",
+        "--checkpoint-dir",
+        str(ck),
+        "--resume",
+    )
     assert other["first_step"] == 2
     assert other["losses"] == pytest.approx(full["losses"][2:], rel=1e-4)
     # nothing left to do: still writes its metrics
     done = go("done", *base, "--checkpoint-dir", str(ck), "--resume")
     assert done["first_step"] == 4 and done["losses"] == []
     # another model (the default --num-layers follows --pp): a one-line error
-    code = cli.main([*fast, "--num-steps", "6", "--pp", "4", "--dp", "2",
-                     "--checkpoint-dir", str(ck), "--resume"])
+    code = cli.main(
+        [
+            *fast,
+            "--num-steps",
+            "6",
+            "--pp",
+            "4",
+            "--dp",
+            "2",
+            "--checkpoint-dir",
+            str(ck),
+            "--resume",
+        ]
+    )
     assert code == 2
     assert "does not fit this model" in capsys.readouterr().err
 

@@ -248,6 +248,51 @@ def test_shard_map_over_the_stage_axis_inside_a_task_is_a_clear_error(check_vma,
         mm.jit(f, mesh=mesh4x2)(jnp.ones((8, 2)))
 
 
+@pytest.mark.parametrize(
+    "body, check_vma, named",
+    [
+        (lambda a: jax.lax.psum(a, "stage"), True, "pvary|psum"),
+        (lambda a: jax.lax.pmax(a, "stage"), True, "pmax"),
+        (lambda a: jax.lax.pmax(a, "stage"), False, "pmax"),
+        (lambda a: a + jax.lax.axis_index("stage"), False, "axis_index"),
+        (lambda a: jax.lax.all_gather(a, "stage"), False, "all_gather"),
+    ],
+)
+def test_a_collective_over_the_stage_axis_in_a_task_is_a_clear_error(
+    body, check_vma, named, mesh222
+):
+    """Inside a task the shard_map runs on one submesh: a collective over the stage axis
+    was a bare KeyError 'stage' or JAX's "unbound axis name"."""
+
+    def f(x):
+        with mm.task("t", stage=1):
+            return jax.shard_map(
+                body, in_specs=P("data"), out_specs=P("data"), check_vma=check_vma
+            )(x)
+
+    with pytest.raises(
+        ValueError, match=rf"task 't': a shard_map body uses the stage axis 'stage' \(.*({named})"
+    ):
+        mm.jit(f, mesh=mesh222)(jnp.arange(16.0).reshape(4, 4))
+
+
+def test_a_psum_over_the_stage_axis_of_replicated_values_runs(mesh222):
+    """Unchecked, a psum over the stage axis of values replicated over it (what JAX's
+    transpose adds) is that many replicas: as the reference."""
+
+    def f(x):
+        with mm.task("t", stage=1):
+            return jax.shard_map(
+                lambda a: jax.lax.psum(a, "stage"),
+                in_specs=P("data"),
+                out_specs=P("data"),
+                check_vma=False,
+            )(x)
+
+    x = jnp.arange(16.0).reshape(4, 4)
+    assert_close(mm.jit(f, mesh=mesh222)(x), reference(f, mesh222, x))
+
+
 def test_unchecked_shard_map_in_a_task_differentiates():
     """``shard_map(check_vma=False)`` in a task, under grad: JAX's transpose sums over
     every mesh axis the specs leave out, the stage axis included, which the submesh
@@ -330,8 +375,11 @@ def test_shard_map_in_a_mesh_task_on_a_submesh_differentiates():
     with mmesh:
         want = jax.jit(fn)(w, x)
     assert_close(mm.jit(fn, mesh=mmesh)(w, x), want, rtol=1e-6)
-    half = Mesh(np.array(jax.devices()[4:6]).reshape(1, 2), ("data", "model"),
-                axis_types=(AxisType.Auto,) * 2)
+    half = Mesh(
+        np.array(jax.devices()[4:6]).reshape(1, 2),
+        ("data", "model"),
+        axis_types=(AxisType.Auto,) * 2,
+    )
     with pytest.raises(ValueError, match="not one of the MultiMesh's submeshes"):
         mm.jit(jax.grad(functools.partial(loss, where=half)), mesh=mmesh)(w, x)
 
@@ -356,8 +404,9 @@ def test_explicit_axes_arguments_and_mesh_context(mesh222):
     devices, and a call under jax.set_mesh of such a mesh, run as under jax.jit (the
     first crashed in a fragment's trace, the second in a transfer packing the planner
     traced under the caller's mesh)."""
-    emesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices()[:4],
-                          axis_types=(AxisType.Explicit,) * 2)
+    emesh = jax.make_mesh(
+        (2, 2), ("data", "model"), devices=jax.devices()[:4], axis_types=(AxisType.Explicit,) * 2
+    )
     w = jnp.ones((8, 8)) / 8
     x = jnp.arange(64.0).reshape(8, 8) / 64
 
@@ -404,7 +453,9 @@ def test_out_shardings_for_tasks_with_their_own_axis_names():
     assert got["h"].sharding.spec == P("x") and got["o"].sharding.spec == P("z")
     with pytest.raises(ValueError, match="names \\['x'\\], which the mesh this output is made"):
         mm.jit(f, out_shardings={"h": None, "o": P("x"), "loss": None})(w, x)
-    with pytest.raises(ValueError, match="for output \\['loss'\\] has 1 entries, but that output has rank 0"):
+    with pytest.raises(
+        ValueError, match="for output \\['loss'\\] has 1 entries, but that output has rank 0"
+    ):
         mm.jit(f, out_shardings={"h": None, "o": None, "loss": P("z")})(w, x)
 
 

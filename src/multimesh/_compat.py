@@ -90,9 +90,7 @@ def special_checks_off() -> Iterator[None]:
 def check_special(name: str, arrays: Sequence[Any]) -> None:
     """Raise ``InternalFloatingPointError`` for a NaN/Inf in ``arrays`` (this process's
     shards), as ``jax.jit`` checks its outputs under ``jax_debug_nans``."""
-    bufs = [
-        sh.data for a in arrays if isinstance(a, jax.Array) for sh in a.addressable_shards
-    ]
+    bufs = [sh.data for a in arrays if isinstance(a, jax.Array) for sh in a.addressable_shards]
     _dispatch.check_special(name, bufs)
 
 
@@ -305,9 +303,7 @@ def persistent_cache_on() -> bool:
     cache on, every fragment compiles (or loads) through it instead. JAX decides once
     per process, at its first compile, and keeps reading the cache after the settings
     turn it off: that decision counts too."""
-    if bool(jax.config.jax_compilation_cache_dir) and bool(
-        jax.config.jax_enable_compilation_cache
-    ):
+    if bool(jax.config.jax_compilation_cache_dir) and bool(jax.config.jax_enable_compilation_cache):
         return True
     from jax._src import compilation_cache as _cc
 
@@ -577,8 +573,7 @@ def _jaxpr_token(jaxpr: Any, memo: dict[Any, Any]) -> Any:
             )
         )
         outs = tuple(
-            ("drop", _aval_token(v.aval)) if isinstance(v, DropVar) else bind(v)
-            for v in e.outvars
+            ("drop", _aval_token(v.aval)) if isinstance(v, DropVar) else bind(v) for v in e.outvars
         )
         eqns.append((e.primitive.name, ins, params, outs, context(e)))
     token = (head, tuple(eqns), tuple(ref(v) for v in jaxpr.outvars))
@@ -631,9 +626,7 @@ def rewrap(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     strong type), without its checks (~50 us). Only for a ``sharding`` that
     :func:`same_layout_as` accepted for ``x``."""
     if type(x) is not ARRAY_TYPE:  # PRNG keys and other array types: the checked path
-        return jax.make_array_from_single_device_arrays(
-            x.shape, sharding, single_device_arrays(x)
-        )
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, single_device_arrays(x))
     return ARRAY_TYPE(
         _strong_aval(x.aval),
         sharding,
@@ -796,9 +789,7 @@ def caller_config() -> Callable[[Callable[[], Any]], Callable[[], Any]]:
     other numbers). The thread-local values are read once, here, on the calling thread."""
     from jax._src import config as _config
 
-    states = [
-        h for h in _config.config._value_holders.values() if isinstance(h, _config.State)
-    ]
+    states = [h for h in _config.config._value_holders.values() if isinstance(h, _config.State)]
     local = [(s, s.get_local()) for s in states]
 
     def wrap(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -828,9 +819,11 @@ def eqn_context_mesh(eqn: Any) -> Any:
 def _ctx_mesh_index() -> int | None:
     """Where the abstract mesh is in an equation context's settings (jax >= 0.12.1)."""
     names = tuple(getattr(_cfg, "jaxpr_eqn_ctx_names", tuple)())
-    return names.index("abstract_mesh_context_manager") if (
-        "abstract_mesh_context_manager" in names
-    ) else None
+    return (
+        names.index("abstract_mesh_context_manager")
+        if ("abstract_mesh_context_manager" in names)
+        else None
+    )
 
 
 # JaxprEqnContext._create's parameters, by JAX version (it is a C interner: no signature)
@@ -906,9 +899,7 @@ def psum_over_replicas(jaxpr: Any, axis: str, size: int) -> Any:
             aval = x.aval
             factor = Literal(np.array(size, aval.dtype), jax.core.ShapedArray((), aval.dtype))
             eqns.append(
-                jcore.new_jaxpr_eqn(
-                    [x, factor], [out], _lax.mul_p, {}, set(), e.source_info, e.ctx
-                )
+                jcore.new_jaxpr_eqn([x, factor], [out], _lax.mul_p, {}, set(), e.source_info, e.ctx)
             )
     if not changed:
         return jaxpr

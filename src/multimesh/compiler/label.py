@@ -145,8 +145,7 @@ def label(
             in_loops = [
                 r.stage
                 for r, mb in zip(tasks, raw_mbs)
-                if mb is not None and r is not None and r.mesh is None
-                and isinstance(r.stage, int)
+                if mb is not None and r is not None and r.mesh is None and isinstance(r.stage, int)
             ]
             top = -(-(max(in_loops, default=S - 1) + 1) // S) * S
             outside_limit = max(S, min(S * virtual_stages, top))
@@ -225,9 +224,7 @@ def _loop_order_fixes(
             if d is not None:
                 dep[d[0]] = max(dep.get(d[0], -1), d[1])
         mb = out[i]
-        if mb is not None and (
-            dep.get(mb[0], -1) > mb[1] or any(loop > mb[0] for loop in dep)
-        ):
+        if mb is not None and (dep.get(mb[0], -1) > mb[1] or any(loop > mb[0] for loop in dep)):
             # runs after the loop, next to the data it sums (also JAX's sum of a weight's
             # cotangents from a later loop into an earlier one's backward, with jax.grad
             # outside two loops; and an earlier loop's backward that needs a later
@@ -291,8 +288,7 @@ def hoist_invariants(prog: FlatProgram, labels: Labels, follow: Any = frozenset(
             and ins
             and not any(a in inloop for a in ins)
             and not any(o in follow for o in e.outvars)
-            and sum(aval_nbytes(o.aval) for o in e.outvars)
-            <= max(aval_nbytes(a.aval) for a in ins)
+            and sum(aval_nbytes(o.aval) for o in e.outvars) <= max(aval_nbytes(a.aval) for a in ins)
         ):
             new[i] = None
         else:

@@ -157,9 +157,49 @@ def _check_shard_map(params: dict[str, Any], ctx: Ctx) -> None:
                     f"{ctx.where}: shard_map {k[:-6]} spec {spec} splits over the stage axis "
                     f"{ctx.stage_axis!r}, but inside a task the code runs on one submesh, "
                     f"which has no {ctx.stage_axis!r} axis. Drop {ctx.stage_axis!r} from the "
-                    "shard_map specs (use the submesh's axes), or move the shard_map out of "
-                    "the task and split the work into one task per stage."
+                    "shard_map specs (use the submesh's axes), or split the work into one "
+                    "task per stage."
                 )
+
+
+def _stage_collectives(jaxpr: Any, axis: str, memo: set[int]) -> list[str]:
+    """The primitives in ``jaxpr`` (recursively) that name mesh axis ``axis``: the
+    collectives (``psum``, ``all_gather``, ``axis_index``, ...) and ``pvary``."""
+    if id(jaxpr) in memo:
+        return []
+    memo.add(id(jaxpr))
+    found: list[str] = []
+    for e in jaxpr.eqns:
+        for k in ("axes", "axis_name"):
+            v = e.params.get(k)
+            names = v if isinstance(v, (tuple, list, set, frozenset)) else (v,)
+            if axis in names and e.primitive.name not in found:
+                found.append(e.primitive.name)
+        for v in e.params.values():
+            for x in v if isinstance(v, (tuple, list)) else (v,):
+                sub = x.jaxpr if isinstance(x, jcore.ClosedJaxpr) else x
+                if isinstance(sub, jcore.Jaxpr):
+                    found += [p for p in _stage_collectives(sub, axis, memo) if p not in found]
+    return found
+
+
+def _check_stage_collectives(params: dict[str, Any], ctx: Ctx) -> None:
+    """A shard_map body's collectives over the stage axis: a psum of values replicated
+    over it (``check_vma=False``; JAX's transpose adds such) becomes a product
+    (``psum_over_replicas``); any other use of the axis cannot run on one submesh."""
+    body = params.get("jaxpr")
+    if body is None or ctx.stage_axis is None:
+        return
+    body = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
+    used = [p for p in _stage_collectives(body, ctx.stage_axis, set()) if p != "psum"]
+    if used:
+        raise ValueError(
+            f"{ctx.where}: a shard_map body uses the stage axis {ctx.stage_axis!r} "
+            f"({', '.join(used)}), but this code runs on one submesh, which has no "
+            f"{ctx.stage_axis!r} axis. Use the submesh's axes in the body's collectives; to "
+            "combine values of several stages, return each from its own task and combine "
+            "them after (mm.jit moves them between submeshes)."
+        )
 
 
 def rewrite_params(prim: str, params: dict[str, Any], ctx: Ctx) -> dict[str, Any]:
@@ -167,6 +207,7 @@ def rewrite_params(prim: str, params: dict[str, Any], ctx: Ctx) -> dict[str, Any
         mesh = params.get("mesh")
         if mesh is not None and _is_global(mesh, ctx):
             _check_shard_map(params, ctx)
+            _check_stage_collectives(params, ctx)
     out = {k: rewrite_value(p, ctx) for k, p in params.items()}
     if prim == "shard_map" and ctx.stage_axis is not None:
         mesh = params.get("mesh")
