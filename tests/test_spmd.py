@@ -322,6 +322,40 @@ def test_unchecked_shard_map_in_a_task_differentiates():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("policy", [None, "dots_saveable"])
+@pytest.mark.parametrize("m", [None, 2])
+def test_unchecked_shard_map_under_jax_checkpoint_differentiates(policy, m, mesh222):
+    """``jax.checkpoint`` around a ``shard_map(check_vma=False)`` in a task: its residuals
+    (split over every mesh axis) are read back inside the checkpoint's backward body, or
+    saved by a policy and passed into it. They were refused as "passes values ... to
+    code other than its transpose"; now they hold one stage's blocks, as without it."""
+
+    def body(h, w):
+        return jax.lax.psum(jnp.tanh(h @ w), "model")
+
+    def loss(w, x):
+        with mm.task("s0", stage=0):
+            sm = jax.shard_map(
+                body,
+                in_specs=(P("data", "model"), P("model")),
+                out_specs=P("data"),
+                check_vma=False,
+            )
+            pol = None if policy is None else getattr(jax.checkpoint_policies, policy)
+            h = jax.checkpoint(lambda w, x: sm(x, w), policy=pol)(w, x)
+        with mm.task("s1", stage=1):
+            return jnp.sum(h**2)
+
+    w, x = _w((4, 4)) / 4, _w((8, 4), 1)
+    g = jax.value_and_grad(loss)
+    if m is not None:
+        g = mm.microbatch(g, m, argnums=1)
+    got = mm.jit(g, mesh=mesh222)(w, x)
+    want = reference(g, mesh222, w, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
 def test_unchecked_shard_map_residuals_stay_on_the_submesh():
     """Differentiated, ``shard_map(check_vma=False)`` hands its residuals (here ``cos``
     of the matmul) to its transpose split over every mesh axis, the stage axis too:

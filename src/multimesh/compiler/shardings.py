@@ -298,21 +298,36 @@ def stage_free_residuals(prog: Any, stage_axis: str, num_stages: int) -> Any:
     task it runs on one submesh, which has no stage axis. Where a value made that way is
     read only by shard_maps on the same mesh with the same spec (each device reads back
     the block it wrote), the stage axis is dropped from both specs and the value holds
-    one stage's blocks (its dimension ``num_stages`` times smaller). Anything else keeps
-    the specs, and placement names the stage axis in a clear error."""
-    eqns = list(prog.eqns)
-    users: dict[Any, list[tuple[int, int]]] = {}
-    for j, e in enumerate(eqns):
-        for pos, a in enumerate(e.invars):
-            if not isinstance(a, jcore.Literal):
-                users.setdefault(a, []).append((j, pos))
-    outs = {v for v in prog.outvars if not isinstance(v, jcore.Literal)}
+    one stage's blocks (its dimension ``num_stages`` times smaller); also inside nested
+    bodies (a ``jax.checkpoint`` recomputes the shard_map in the backward). Anything
+    else keeps the specs, and placement names the stage axis in a clear error."""
+    eqns = _free_residuals(list(prog.eqns), prog.outvars, stage_axis, num_stages)
+    return prog if eqns is None else dataclasses.replace(prog, eqns=eqns)
+
+
+def _free_residuals(
+    eqns: list[Any], outvars: Any, stage_axis: str, num_stages: int
+) -> list[Any] | None:
+    """:func:`stage_free_residuals` on one body's equations (``None``: unchanged)."""
+    changed = False
+    for i, e in enumerate(eqns):  # nested bodies first (not shard_map's own: manual axes)
+        if e.primitive.name == "shard_map" or not e.params:
+            continue
+        params = {}
+        for k, v in e.params.items():
+            nv = _free_in_value(v, stage_axis, num_stages)
+            if nv is not v:
+                params[k] = nv
+        if params:
+            eqns[i] = e.replace(params={**e.params, **params})
+            changed = True
+    users = _users_of(eqns)
+    outs = {v for v in outvars if not isinstance(v, jcore.Literal)}
 
     def on_global(e: Any) -> Any:
         mesh = e.params.get("mesh") if e.primitive.name == "shard_map" else None
         return mesh if mesh is not None and stage_axis in mesh.axis_names else None
 
-    changed = False
     for i, e in enumerate(eqns):
         mesh = on_global(e)
         if mesh is None:
@@ -323,10 +338,7 @@ def stage_free_residuals(prog: Any, stage_axis: str, num_stages: int) -> Any:
                 continue
             if v in outs or not users.get(v):
                 continue
-            if not all(
-                on_global(eqns[j]) == mesh and eqns[j].params["in_specs"][pos] == spec
-                for j, pos in users[v]
-            ):
+            if not _read_back_only(v, spec, mesh, eqns, users, stage_axis):
                 continue
             dim = next(d for d, e in enumerate(spec) if stage_axis in spec_axes(P(e)))
             shape = list(v.aval.shape)
@@ -338,17 +350,96 @@ def stage_free_residuals(prog: Any, stage_axis: str, num_stages: int) -> Any:
             cur = eqns[i]
             out_specs = list(cur.params["out_specs"])
             out_specs[k] = new_spec
-            outvars = list(cur.outvars)
-            outvars[k] = nv
+            outvars_i = list(cur.outvars)
+            outvars_i[k] = nv
             eqns[i] = cur.replace(
-                params={**cur.params, "out_specs": tuple(out_specs)}, outvars=outvars
+                params={**cur.params, "out_specs": tuple(out_specs)}, outvars=outvars_i
             )
-            for j, pos in users[v]:
-                u = eqns[j]
-                in_specs = list(u.params["in_specs"])
-                in_specs[pos] = new_spec
-                invars = list(u.invars)
-                invars[pos] = nv
-                eqns[j] = u.replace(params={**u.params, "in_specs": tuple(in_specs)}, invars=invars)
+            _retype_users(v, nv, new_spec, eqns, users)
             changed = True
-    return dataclasses.replace(prog, eqns=eqns) if changed else prog
+    return eqns if changed else None
+
+
+def _users_of(eqns: list[Any]) -> dict[Any, list[tuple[int, int]]]:
+    users: dict[Any, list[tuple[int, int]]] = {}
+    for j, e in enumerate(eqns):
+        for pos, a in enumerate(e.invars):
+            if not isinstance(a, jcore.Literal):
+                users.setdefault(a, []).append((j, pos))
+    return users
+
+
+def _call_body(e: Any) -> Any:
+    """The body of a call-like equation whose inputs are its body's inputs, one for one
+    (``jax.checkpoint``, nested ``jax.jit``), as a ``Jaxpr``; else ``None``."""
+    if e.primitive.name not in ("checkpoint", "remat2", "pjit", "jit", "closed_call"):
+        return None
+    body = e.params.get("jaxpr")
+    body = body.jaxpr if isinstance(body, jcore.ClosedJaxpr) else body
+    if not isinstance(body, jcore.Jaxpr) or len(body.invars) != len(e.invars):
+        return None
+    return body
+
+
+def _read_back_only(
+    v: Any, spec: Any, mesh: Any, eqns: list[Any], users: dict[Any, Any], stage_axis: str
+) -> bool:
+    """Whether ``v`` is read only by shard_maps on ``mesh`` with ``spec``, directly or
+    through the bodies of call-like equations (a ``jax.checkpoint`` recomputing the
+    backward reads a saved residual)."""
+    for j, pos in users.get(v, ()):
+        u = eqns[j]
+        if u.primitive.name == "shard_map":
+            m = u.params.get("mesh")
+            if m != mesh or u.params["in_specs"][pos] != spec:
+                return False
+            continue
+        body = _call_body(u)
+        if body is None:
+            return False
+        inner = body.invars[pos]
+        inner_users = _users_of(list(body.eqns))
+        if any(inner is o for o in body.outvars) or not inner_users.get(inner):
+            return False
+        if not _read_back_only(inner, spec, mesh, list(body.eqns), inner_users, stage_axis):
+            return False
+    return True
+
+
+def _retype_users(v: Any, nv: Any, spec: Any, eqns: list[Any], users: dict[Any, Any]) -> None:
+    """Every reader of ``v`` (checked by :func:`_read_back_only`) reads ``nv`` with
+    ``spec`` instead, in place in ``eqns``, call bodies rebuilt."""
+    for j, pos in users.get(v, ()):
+        u = eqns[j]
+        invars = list(u.invars)
+        invars[pos] = nv
+        if u.primitive.name == "shard_map":
+            in_specs = list(u.params["in_specs"])
+            in_specs[pos] = spec
+            eqns[j] = u.replace(params={**u.params, "in_specs": tuple(in_specs)}, invars=invars)
+            continue
+        raw = u.params["jaxpr"]
+        body = raw.jaxpr if isinstance(raw, jcore.ClosedJaxpr) else raw
+        inner, ninner = body.invars[pos], _compat.Var(nv.aval)
+        beqns = list(body.eqns)
+        _retype_users(inner, ninner, spec, beqns, _users_of(beqns))
+        binvars = list(body.invars)
+        binvars[pos] = ninner
+        nbody = body.replace(invars=binvars, eqns=beqns)
+        if isinstance(raw, jcore.ClosedJaxpr):
+            nbody = jcore.ClosedJaxpr(nbody, raw.consts)
+        eqns[j] = u.replace(params={**u.params, "jaxpr": nbody}, invars=invars)
+
+
+def _free_in_value(v: Any, stage_axis: str, num_stages: int) -> Any:
+    """A parameter with its nested bodies' residuals freed (``v`` itself if unchanged)."""
+    if isinstance(v, jcore.ClosedJaxpr):
+        inner = _free_in_value(v.jaxpr, stage_axis, num_stages)
+        return v if inner is v.jaxpr else jcore.ClosedJaxpr(inner, v.consts)
+    if isinstance(v, jcore.Jaxpr):
+        eqns = _free_residuals(list(v.eqns), v.outvars, stage_axis, num_stages)
+        return v if eqns is None else v.replace(eqns=eqns)
+    if type(v) is tuple or type(v) is list:  # cond branches
+        new = [_free_in_value(x, stage_axis, num_stages) for x in v]
+        return v if all(a is b for a, b in zip(new, v)) else type(v)(new)
+    return v
