@@ -252,9 +252,20 @@ def test_explicit_axes():
     mesh = Mesh(devs, ("stage", "data"), axis_types=(AxisType.Explicit,) * 2)
     with pytest.raises(ValueError, match="Explicit"):
         mm.MultiMesh(mesh)
-    with pytest.raises(ValueError, match="Explicit"):
-        with mm.task("t", mesh=Mesh(devs[0], ("d",), axis_types=(AxisType.Explicit,))):
-            pass
+    explicit = Mesh(devs[0], ("d",), axis_types=(AxisType.Explicit,))
+
+    def f(x):
+        with mm.task("t", mesh=explicit):
+            return jnp.tanh(x) * 2
+
+    x = jnp.ones(8)
+    # outside mm.jit a task is a named scope only: JAX runs the code as it would
+    assert_close(f(x), jnp.tanh(x) * 2)
+    assert_close(jax.jit(f)(x), jnp.tanh(x) * 2)
+    with pytest.raises(ValueError, match="task 't': its mesh has Explicit axes"):
+        mm.jit(f)(x)
+    with pytest.raises(ValueError, match="task 't': its mesh has Explicit axes"):
+        mm.jit(lambda x: jax.jit(f)(x) + 1)(x)  # traced by jax.jit before, cached
     # Manual axes (shard_map's) were accepted, then JAX's "not allowed when using
     # jax.set_mesh" at the first call
     manual = Mesh(devs, ("stage", "data"), axis_types=(AxisType.Manual,) * 2)

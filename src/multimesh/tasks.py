@@ -173,11 +173,15 @@ def tracing(state: TraceState):
         _TRACE.reset(tok)
 
 
-def _check_mesh(mesh: Any, name: str, mmesh: MultiMesh | None) -> Mesh:
+def check_mesh(mesh: Any, name: str, mmesh: MultiMesh | None, traced: bool) -> Mesh:
+    """A task's ``mesh=``: a Mesh always; under ``mm.jit`` (``traced``) also one MultiMesh
+    can run (Auto axes, its devices). Outside it the task is a named scope only."""
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"task {name!r}: mesh= must be a jax.sharding.Mesh, got {type(mesh).__name__}."
         )
+    if not traced:
+        return mesh
     if any(t == AxisType.Explicit for t in mesh.axis_types):
         raise ValueError(
             f"task {name!r}: its mesh has Explicit axes; MultiMesh supports Auto axes. Build "
@@ -211,7 +215,7 @@ def resolve(name: str, stage: Any, mesh: Any) -> tuple[str, Mesh | None]:
     state = trace_state()
     mmesh = state.multimesh if state is not None and state.multimesh else active_multimesh()
     if mesh is not None:
-        mesh = _check_mesh(mesh, name, mmesh)
+        mesh = check_mesh(mesh, name, mmesh, traced=state is not None)
         return f"{name}{MARKER}m{_mesh_id(mesh)}", mesh
     if isinstance(stage, ByLayer):  # placed per layer when mm.jit splits the scan
         return f"{name}{MARKER}l{_layer_id(stage)}", None

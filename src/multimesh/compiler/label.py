@@ -16,7 +16,7 @@ from multimesh import _compat
 from multimesh.compiler.inline import _sub_jaxprs, eqn_tasks, inner_tasks
 from multimesh.compiler.ir import FlatProgram, Labels, Literal, Target, aval_nbytes
 from multimesh.mesh import MultiMesh
-from multimesh.tasks import TaskRef, check_stage_range
+from multimesh.tasks import TaskRef, check_mesh, check_stage_range
 
 _compat.register_exclusion(__file__)
 
@@ -165,7 +165,8 @@ def label(
                 mmesh.num_stages * virtual_stages if in_loop else outside_limit,
             )
             return ref.stage % mmesh.num_stages  # virtual stage -> submesh
-        mesh: Mesh = ref.mesh
+        # (a task traced outside mm.jit, e.g. in a cached nested jit, is checked here)
+        mesh: Mesh = check_mesh(ref.mesh, ref.name, mmesh, traced=True)
         ids = _layout(mesh)
         if ids in by_devs:
             reserve(targets[by_devs[ids]], ref.name)
