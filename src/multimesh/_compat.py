@@ -628,7 +628,7 @@ def rewrap(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     if type(x) is not ARRAY_TYPE:  # PRNG keys and other array types: the checked path
         return jax.make_array_from_single_device_arrays(x.shape, sharding, single_device_arrays(x))
     return ARRAY_TYPE(
-        _strong_aval(x.aval),
+        _rewrap_aval(x.shape, x.dtype, sharding),
         sharding,
         x._arrays,  # type: ignore[attr-defined]
         committed=True,
@@ -637,8 +637,11 @@ def rewrap(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=4096)
-def _strong_aval(aval: Any) -> Any:
-    return aval.update(weak_type=False) if aval.weak_type else aval
+def _rewrap_aval(shape: tuple[int, ...], dtype: Any, sharding: Any) -> Any:
+    """The type ``make_array_from_single_device_arrays`` gives such an array."""
+    return _core.update_aval_with_sharding(
+        _core.ShapedArray(shape, dtype, weak_type=False), sharding
+    )
 
 
 def buffer_pointers(x: jax.Array) -> set[int]:
