@@ -320,7 +320,10 @@ def test_custom_order_with_a_weight_shared_by_two_stages_on_a_submesh():
     ws, (shared,) = weights(4), weights(1, seed=5)
     x, y = data(8)
     g = mm.microbatch(
-        jax.value_and_grad(loss, argnums=(0, 1)), 4, argnums=(2, 3), schedule=order,
+        jax.value_and_grad(loss, argnums=(0, 1)),
+        4,
+        argnums=(2, 3),
+        schedule=order,
         reduce="mean",
     )
     f = mm.jit(g, mesh=mmesh)
@@ -413,8 +416,11 @@ def test_interleaved_tasks_next_to_each_other_on_a_submesh_are_named():
 
     g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=(1, 2), schedule="interleaved-1f1b")
     x, y = data(8)
-    with pytest.raises(ValueError, match=r"straight to another on the same submesh.*8 task "
-                       r"stages make 6 pipeline stages on the 4 submesh\(es\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"straight to another on the same submesh.*8 task "
+        r"stages make 6 pipeline stages on the 4 submesh\(es\)",
+    ):
         mm.jit(g, mesh=stage_mesh(4))(weights(8), x, y)
 
 
@@ -1039,7 +1045,9 @@ def test_interleaved_mesh_tasks_are_named_in_the_error():
     def loss(ws, x, y):
         h = x
         for i, w in enumerate(ws):
-            ctx = mm.task(f"s{i}", mesh=mmesh.submesh(i % 2)) if i % 2 else mm.task(f"s{i}", stage=i)
+            ctx = (
+                mm.task(f"s{i}", mesh=mmesh.submesh(i % 2)) if i % 2 else mm.task(f"s{i}", stage=i)
+            )
             with ctx:
                 h = h + jnp.tanh(h @ w)
         return jnp.mean((h - y) ** 2)
@@ -1070,4 +1078,43 @@ def test_weak_state_made_another_kind_is_refused_as_by_the_scan(mesh4x2):
     for f in (jax.jit(step(to_int)), mm.jit(step(to_int), mesh=mesh4x2)):
         with pytest.raises(TypeError, match="float32 to \\(\\) int32"):
             f(x, {"s": 1.0})
-    assert_close(mm.jit(step(to_bf16), mesh=mesh4x2)(x, {"s": 1.0}), jax.jit(step(to_bf16))(x, {"s": 1.0}))
+    assert_close(
+        mm.jit(step(to_bf16), mesh=mesh4x2)(x, {"s": 1.0}), jax.jit(step(to_bf16))(x, {"s": 1.0})
+    )
+
+
+def test_an_inference_loop_takes_a_forward_only_custom_order():
+    """A loop without a backward is given the F steps only (it demanded B steps the loop
+    does not have)."""
+    mmesh = stage_mesh(2)
+    ws = weights(2)
+    x, _y = data(8)
+
+    def fwd(ws, xb):
+        h = xb
+        for i, w in enumerate(ws):
+            with mm.task(f"s{i}", stage=i):
+                h = h + jnp.tanh(h @ w)
+        return h
+
+    order = S.Custom([[(0, 0, "F"), (0, 1, "F")], [(1, 0, "F"), (1, 1, "F")]])
+    g = mm.microbatch(fwd, 2, argnums=1, schedule=order, reduce="stack")
+    got = mm.jit(g, mesh=mmesh)(ws, x)
+    assert_close(got, reference(g, mmesh, ws, x), rtol=1e-6)
+
+
+def test_interleaved_with_one_stage_per_submesh_runs_as_1f1b():
+    """One chunk per submesh: 1F1B's order, and M need not divide by the submeshes."""
+    mmesh = stage_mesh(4)
+    ws = weights(4)
+    x, y = data(12)
+    vg = jax.value_and_grad(mlp_loss)
+    runs = {}
+    for sched in ["1f1b", "interleaved-1f1b"]:
+        g = mm.microbatch(vg, 6, argnums=(1, 2), schedule=sched)
+        f = mm.jit(g, mesh=mmesh)
+        runs[sched] = f(ws, x, y)
+        order = [(fr.stage, fr.name) for fr in f.lower(ws, x, y).plan.fragments]
+        runs[sched + " plan"] = order
+    assert_close(runs["interleaved-1f1b"], reference(g, mmesh, ws, x, y), rtol=1e-5)
+    assert runs["interleaved-1f1b plan"] == runs["1f1b plan"]

@@ -176,7 +176,9 @@ def test_a_stuck_order_names_its_real_blocker():
         [(0, 0, "F"), (0, 0, "B"), (0, 1, "F"), (0, 1, "B")],
         [(1, 0, "F"), (1, 1, "F"), (1, 0, "B"), (1, 1, "B")],
     ]
-    with pytest.raises(ValueError, match=r"deadlock: .*\(B0@s0\) needs B0@s1.*\(F1@s1\) needs F1@s0"):
+    with pytest.raises(
+        ValueError, match=r"deadlock: .*\(B0@s0\) needs B0@s1.*\(F1@s1\) needs F1@s0"
+    ):
         S.validate(cyc, 2, 2)
 
 
@@ -189,3 +191,52 @@ def test_an_order_for_other_stage_or_microbatch_counts_says_so():
         S.validate(order, 2, 4)
     with pytest.raises(ValueError, match=r"F2@s0 names microbatch 2, but the loop has 2"):
         S.validate(S.OneFOneB().build(2, 4, 1), 2, 2)
+
+
+@pytest.mark.parametrize("stages,m", [(2, 3), (4, 6), (4, 16)])
+def test_interleaving_with_one_chunk_is_1f1b(stages, m):
+    """One stage per submesh: interleaved 1F1B's warm-up held twice 1F1B's activations
+    (peak [7, 5, 3, 1] for 4 stages) for the same makespan, and needed M divisible by S."""
+    one = S.OneFOneB().build(stages, m)
+    assert S.Interleaved1F1B().build(stages, m, 1) == one
+    assert S.Interleaved1F1B(num_chunks=1).build(stages, m, 1) == one
+    tl = S.simulate(S.Interleaved1F1B(num_chunks=1), stages, m)
+    assert tl.peak_in_flight == S.simulate("1f1b", stages, m).peak_in_flight
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_gpipe_with_chunks_runs_chunk_by_chunk(chunks):
+    """Every microbatch through a submesh's first stage before any goes through its next:
+    with chunks GPipe's bubble shrinks (it was nearly serial, microbatch by microbatch)."""
+    stages, m = 4, 8
+    row = S.GPipe().build(stages, m, chunks)[0]
+    assert [(a.stage, a.microbatch) for a in row[:m]] == [(0, k) for k in range(m)]
+    assert row[m] == S.Action(stages, 0, "F")
+    base = S.simulate("gpipe", stages, m)
+    tl = S.simulate("gpipe", stages, m, num_chunks=chunks)
+    assert tl.makespan < base.makespan
+    assert tl.bubble_fraction == pytest.approx((stages - 1) / (chunks * m + stages - 1))
+
+
+def test_peak_in_flight_with_zero_costs():
+    """Every action at time 0: counted in each submesh's order (was [0, 0, 0, 0])."""
+    for name, want in [("gpipe", [8] * 4), ("1f1b", [4, 3, 2, 1])]:
+        tl = S.simulate(name, 4, 8, forward_cost=0, backward_cost=0)
+        assert tl.peak_in_flight == want
+
+
+def test_forward_only_orders():
+    """A loop without a backward takes an order of F steps only (or a full order's F
+    steps); a training loop still needs every B."""
+    only_f = S.Custom([[(0, 0, "F"), (0, 1, "F")], [(1, 0, "F"), (1, 1, "F")]])
+    assert only_f.build(2, 2, backward=False) == [
+        [S.Action(0, 0, "F"), S.Action(0, 1, "F")],
+        [S.Action(1, 0, "F"), S.Action(1, 1, "F")],
+    ]
+    assert S.OneFOneB().build(2, 2, backward=False) == S.GPipe().build(2, 2, backward=False)
+    with pytest.raises(ValueError, match=r"submesh 0 is missing 2 action\(s\), e\.g\. B0@s0"):
+        only_f.build(2, 2)
+    with pytest.raises(ValueError, match="appears twice"):
+        S.Custom([[(0, 0, "F"), (0, 0, "F")], [(1, 0, "F"), (1, 1, "F")]]).build(
+            2, 2, backward=False
+        )

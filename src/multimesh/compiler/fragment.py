@@ -165,7 +165,8 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
             need_at[i] = mbs[i][0]
         else:
             need_at[i] = max(
-                [-1] + [need_var[a] for a in e.invars if not isinstance(a, Literal) and a in need_var]
+                [-1]
+                + [need_var[a] for a in e.invars if not isinstance(a, Literal) and a in need_var]
             )
         if need_at[i] >= 0:
             for o in e.outvars:
@@ -362,8 +363,10 @@ def _fragment(prog, placement, labels, loops, mbs, segments) -> list[Fragment]:
                         or gh.phase == g.phase
                         or (
                             not g.pred
-                            and all(_PHASE_RANK[groups[c].phase] >= _PHASE_RANK[gh.phase]
-                                    for c in g.succ)
+                            and all(
+                                _PHASE_RANK[groups[c].phase] >= _PHASE_RANK[gh.phase]
+                                for c in g.succ
+                            )
                         )
                     )
                 )
@@ -849,7 +852,9 @@ def _build_schedules(groups, loops, labels):
                     continue
                 cands = [virt_of[x] for x in mine if x in virt_of and groups[x].stage == g.stage]
                 virt_of[gid] = min(cands) if cands else min(used)
-        rows = sched.build(S, info.num_microbatches, chunks)
+        # a loop without a backward (inference) takes a forward-only Custom order too
+        backward = any(groups[gid].phase != "F" for gid in mine)
+        rows = sched.build(S, info.num_microbatches, chunks, backward=backward)
         rows = [[Action(order[a.stage], a.microbatch, a.phase) for a in row] for row in rows]
         for gid in mine:
             g = groups[gid]
@@ -1080,9 +1085,7 @@ def _loop_order(groups, loop_groups, sched_rows, topo):
     for _loop, (_sched, rows, _sub) in sorted(sched_rows.items()):
         for row in rows:
             for a in row:
-                for gid in sorted(
-                    by_action.get(a, []), key=lambda x: (groups[x].order, topo[x])
-                ):
+                for gid in sorted(by_action.get(a, []), key=lambda x: (groups[x].order, topo[x])):
                     if gid not in placed and groups[gid].alive:
                         placed.add(gid)
                         out.append(gid)

@@ -290,7 +290,7 @@ def validate(ns: argparse.Namespace, num_devices: int, p: argparse.ArgumentParse
             f"--batch-size {ns.batch_size} is not divisible by --dp {ns.dp} x --fsdp {ns.fsdp} "
             f"x {mb} = {data * m}"
         )
-    if ns.schedule == "interleaved-1f1b" and m % ns.pp:
+    if ns.schedule == "interleaved-1f1b" and m % ns.pp and ns.interleave > 1:
         p.error(
             f"--schedule interleaved-1f1b needs --num-microbatches ({m}) divisible by --pp {ns.pp}"
         )

@@ -28,9 +28,12 @@ class GPipe(Schedule):
     def order(self, num_submeshes: int, num_microbatches: int, num_chunks: int = 1) -> Order:
         out: Order = []
         for s in range(num_submeshes):
+            # chunk by chunk: every microbatch through a submesh's first stage before any
+            # goes through its next one (microbatch by microbatch made each one cross the
+            # whole pipeline before the next started: nearly serial)
             stages = [c * num_submeshes + s for c in range(num_chunks)]
-            row = [Action(v, k, "F") for k in range(num_microbatches) for v in stages]
-            row += [Action(v, k, "B") for k in range(num_microbatches) for v in reversed(stages)]
+            row = [Action(v, k, "F") for v in stages for k in range(num_microbatches)]
+            row += [Action(v, k, "B") for v in reversed(stages) for k in range(num_microbatches)]
             out.append(row)
         return out
 
@@ -62,7 +65,8 @@ class OneFOneB(Schedule):
 @dataclasses.dataclass(frozen=True)
 class Interleaved1F1B(Schedule):
     """Interleaved 1F1B (Narayanan et al. 2021): V stages ("chunks") per submesh, stage v
-    on submesh v % S; cuts the bubble by about V. Needs M divisible by S."""
+    on submesh v % S; cuts the bubble by about V. Needs M divisible by S (with V = 1 it is
+    1F1B, which does not)."""
 
     num_chunks: int | None = None
     name: str = dataclasses.field(default="interleaved-1f1b", init=False)
@@ -76,6 +80,9 @@ class Interleaved1F1B(Schedule):
 
     def order(self, num_submeshes: int, num_microbatches: int, num_chunks: int = 1) -> Order:
         S, M, V = num_submeshes, num_microbatches, num_chunks
+        if V == 1:  # one stage per submesh: 1F1B itself (as Megatron falls back to it);
+            # interleaving's warm-up would hold twice 1F1B's activations for no gain
+            return OneFOneB().order(S, M)
         if M % S:
             raise ValueError(
                 f"Interleaved1F1B needs num_microbatches ({M}) divisible by the number of "
@@ -189,6 +196,21 @@ class Custom(Schedule):
     def chunks(self, num_submeshes: int, num_stages: int | None = None) -> int:
         top = max((a[0] for row in self.steps for a in row), default=0)
         return max(1, -(-(top + 1) // max(num_submeshes, 1)))
+
+    def forward_order(
+        self, num_submeshes: int, num_microbatches: int, num_chunks: int = 1
+    ) -> Order:
+        """For a loop without a backward: an order of F steps only, or a full order's F
+        steps."""
+        if any(a[2] != "F" for row in self.steps for a in row):
+            return super().forward_order(num_submeshes, num_microbatches, num_chunks)
+        return validate(
+            [list(r) for r in self.steps],
+            num_submeshes,
+            num_microbatches,
+            num_chunks,
+            forward_only=True,
+        )
 
     def order(self, num_submeshes: int, num_microbatches: int, num_chunks: int = 1) -> Order:
         return validate(

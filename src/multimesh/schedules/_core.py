@@ -53,11 +53,30 @@ class Schedule:
     def order(self, num_submeshes: int, num_microbatches: int, num_chunks: int = 1) -> Order:
         raise NotImplementedError
 
-    def build(self, num_submeshes: int, num_microbatches: int, num_chunks: int = 1) -> Order:
-        """The validated order for this pipeline shape."""
+    def build(
+        self,
+        num_submeshes: int,
+        num_microbatches: int,
+        num_chunks: int = 1,
+        *,
+        backward: bool = True,
+    ) -> Order:
+        """The validated order for this pipeline shape; ``backward=False`` for a loop
+        without a backward (inference): its forward steps only."""
         _check_shape(num_submeshes, num_microbatches, num_chunks)
+        if not backward:
+            return self.forward_order(num_submeshes, num_microbatches, num_chunks)
         order = self.order(num_submeshes, num_microbatches, num_chunks)
         validate(order, num_submeshes, num_microbatches, num_chunks, self.splits_backward)
+        return order
+
+    def forward_order(
+        self, num_submeshes: int, num_microbatches: int, num_chunks: int = 1
+    ) -> Order:
+        """The order's forward steps, for a loop without a backward."""
+        order = self.order(num_submeshes, num_microbatches, num_chunks)
+        order = [[a for a in row if a.phase == "F"] for row in order]
+        validate(order, num_submeshes, num_microbatches, num_chunks, forward_only=True)
         return order
 
 
@@ -91,9 +110,13 @@ def dependencies(a: Action, num_stages: int, splits_backward: bool) -> list[Acti
 
 
 def expected_actions(
-    num_submeshes: int, num_microbatches: int, num_chunks: int, splits_backward: bool
+    num_submeshes: int,
+    num_microbatches: int,
+    num_chunks: int,
+    splits_backward: bool,
+    forward_only: bool = False,
 ) -> list[set[Action]]:
-    phases = ("F", "B", "W") if splits_backward else ("F", "B")
+    phases = ("F",) if forward_only else ("F", "B", "W") if splits_backward else ("F", "B")
     out: list[set[Action]] = [set() for _ in range(num_submeshes)]
     for v in range(num_submeshes * num_chunks):
         for k in range(num_microbatches):
@@ -135,8 +158,10 @@ def validate(
     num_microbatches: int,
     num_chunks: int = 1,
     splits_backward: bool | None = None,
+    forward_only: bool = False,
 ) -> Order:
-    """Check that an order runs every action once, on its submesh, without deadlock."""
+    """Check that an order runs every action once, on its submesh, without deadlock
+    (``forward_only``: the forward actions of a loop without a backward)."""
     if not isinstance(order, (list, tuple)) or len(order) != num_submeshes:
         raise ValueError(
             f"a schedule order needs one list of actions per submesh ({num_submeshes}), "
@@ -150,7 +175,9 @@ def validate(
         acts.append(r)
     if splits_backward is None:
         splits_backward = any(a.phase == "W" for row in acts for a in row)
-    want = expected_actions(num_submeshes, num_microbatches, num_chunks, splits_backward)
+    want = expected_actions(
+        num_submeshes, num_microbatches, num_chunks, splits_backward, forward_only
+    )
     num_stages = num_submeshes * num_chunks
     for s, row in enumerate(acts):
         seen: set[Action] = set()

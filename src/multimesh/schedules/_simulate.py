@@ -252,16 +252,14 @@ def _run(
     last = "W" if split else "B"
     peaks = []
     for s in range(S):
-        marks = []
+        # a submesh runs its actions one after another: counted in their order (by
+        # time, equal times included: zero costs put every action at 0)
+        cur = peak = 0
         for e in events[s]:
             if e.action.phase == "F":
-                marks.append((e.start, 1))
+                cur += 1
+                peak = max(peak, cur)
             elif e.action.phase == last:
-                marks.append((e.end, -1))
-        marks.sort(key=lambda m: (m[0], m[1]))
-        cur = peak = 0
-        for _, d in marks:
-            cur += d
-            peak = max(peak, cur)
+                cur -= 1
         peaks.append(peak)
     return Timeline(events=events, name=name, peak_in_flight=peaks)
