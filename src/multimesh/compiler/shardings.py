@@ -426,17 +426,17 @@ def _retype_users(v: Any, nv: Any, spec: Any, eqns: list[Any], users: dict[Any, 
         binvars = list(body.invars)
         binvars[pos] = ninner
         nbody = body.replace(invars=binvars, eqns=beqns)
-        if isinstance(raw, jcore.ClosedJaxpr):
+        if isinstance(raw, jcore.ClosedJaxpr) and raw.jaxpr is not raw:
             nbody = jcore.ClosedJaxpr(nbody, raw.consts)
         eqns[j] = u.replace(params={**u.params, "jaxpr": nbody}, invars=invars)
 
 
 def _free_in_value(v: Any, stage_axis: str, num_stages: int) -> Any:
     """A parameter with its nested bodies' residuals freed (``v`` itself if unchanged)."""
-    if isinstance(v, jcore.ClosedJaxpr):
+    if isinstance(v, jcore.ClosedJaxpr) and v.jaxpr is not v:
         inner = _free_in_value(v.jaxpr, stage_axis, num_stages)
         return v if inner is v.jaxpr else jcore.ClosedJaxpr(inner, v.consts)
-    if isinstance(v, jcore.Jaxpr):
+    if isinstance(v, jcore.Jaxpr):  # (jax 0.12.1: one class, its .jaxpr itself)
         eqns = _free_residuals(list(v.eqns), v.outvars, stage_axis, num_stages)
         return v if eqns is None else v.replace(eqns=eqns)
     if type(v) is tuple or type(v) is list:  # cond branches
