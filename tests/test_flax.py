@@ -8,6 +8,7 @@ import optax
 import pytest
 from conftest import assert_close, reference, stage_of
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import multimesh as mm
 
@@ -850,8 +851,11 @@ def test_a_python_attribute_fun_changes_is_a_clear_error_in_every_mode(mesh4x2):
     def step(st, x):
         return mb(nnx.merge(gd, st), x)
 
-    for f in (lambda: mb(Counting(nnx.Rngs(0)), x), lambda: jax.jit(step)(st, x),
-              lambda: mm.jit(step, mesh=mesh4x2)(st, x)):
+    for f in (
+        lambda: mb(Counting(nnx.Rngs(0)), x),
+        lambda: jax.jit(step)(st, x),
+        lambda: mm.jit(step, mesh=mesh4x2)(st, x),
+    ):
         with pytest.raises(ValueError, match=r"changed the structure.*nnx\.Variable"):
             f()
 
@@ -946,3 +950,33 @@ def test_a_python_number_in_a_variable_is_state_next_to_a_module_is_static(mesh4
     assert int(m.n.get_value()) == 4
     ref = Counting()
     assert_close(got, sum(ref(jnp.ones((2, 2))) for _ in range(4)), rtol=1e-6)
+
+
+def test_nnx_create_places_rng_streams_of_stacked_layers_on_their_stages(mesh4x2):
+    """The per-layer dropout keys (an ``nnx.Rngs`` stream) of a by-layer stack are made
+    on their layers' stages, as the parameters are (they were left where the
+    constructor ran, on stage 0)."""
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(8, 8, rngs=rngs)
+            self.drop = nnx.Dropout(0.2, rngs=rngs)
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=8)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def mk(rngs):
+                return Block(rngs)
+
+            self.blocks = mm.flax.task(mk(rngs), stage=mm.by_layer())
+
+    model = mm.flax.create(
+        lambda k: Model(nnx.Rngs(params=k, dropout=3)), jax.random.key(0), mesh=mesh4x2
+    )
+    eager = Model(nnx.Rngs(params=jax.random.key(0), dropout=3))
+    key = model.blocks.drop.rngs.key.get_value()
+    assert key.sharding.spec == P("stage")
+    np.testing.assert_array_equal(
+        jax.random.key_data(key), jax.random.key_data(eager.blocks.drop.rngs.key.get_value())
+    )

@@ -289,3 +289,30 @@ def test_by_layer_errors(mesh4x2):
     ws, x, _ = data()
     with pytest.raises(ValueError, match="together with code for another submesh"):
         mm.jit(mixed, mesh=mesh4x2)(ws, x)
+
+
+def test_by_layer_scan_returning_per_layer_prng_keys(mesh4x2):
+    """A by-layer scan whose outputs are PRNG keys (each layer's next key): assembled
+    from the stages' rows as one stage-sharded key array (was an AttributeError: key
+    arrays have no weak type)."""
+
+    def f(ws, keys, x):
+        def body(h, wk):
+            w, k = wk
+            with mm.task("L", stage=mm.by_layer()):
+                k2, sub = jax.random.split(k)
+                h = h + jnp.tanh(h @ w) * jax.random.uniform(sub, h.shape)
+            return h, k2
+
+        h, new_keys = jax.lax.scan(body, x, (ws, keys))
+        return jnp.mean(h**2), new_keys
+
+    sh = NamedSharding(mesh4x2.mesh, P("stage"))
+    ws = jax.device_put(jax.random.normal(jax.random.key(0), (8, 8, 8)) / 8, sh)
+    keys = jax.device_put(jax.random.split(jax.random.key(1), 8), sh)
+    x = jnp.ones((4, 8))
+    loss, new_keys = mm.jit(f, mesh=mesh4x2)(ws, keys, x)
+    want_loss, want_keys = reference(f, mesh4x2, ws, keys, x)
+    assert_close(loss, want_loss, rtol=1e-6)
+    np.testing.assert_array_equal(jax.random.key_data(new_keys), jax.random.key_data(want_keys))
+    assert new_keys.sharding.spec == P("stage")

@@ -279,9 +279,20 @@ def _is_num(x: Any) -> bool:
     return hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
 
 
-def _by_layer(
-    owner: Any, path: tuple, value: jax.Array, shard: Callable[..., Any]
-) -> jax.Array:
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _copy(y: Any) -> Any:
+    """``y`` made again by an operation where it is called (in a task: on its submesh);
+    a PRNG key (an ``nnx.Rngs`` stream's) through its key data."""
+    if _is_key(y):
+        impl = jax.random.key_impl(y)
+        return jax.random.wrap_key_data(jax.random.key_data(y) + 0, impl=impl)
+    return y + 0
+
+
+def _by_layer(owner: Any, path: tuple, value: jax.Array, shard: Callable[..., Any]) -> jax.Array:
     """A stacked variable of a ``by_layer`` task, made layer by layer on their stages
     (a scan over the leading axis, as the model's own scan runs it)."""
     if jax.numpy.ndim(value) == 0:
@@ -292,7 +303,7 @@ def _by_layer(
 
     def body(carry: None, row: jax.Array) -> tuple[None, jax.Array]:
         with _module_task(owner, owner.mm_stage):
-            return carry, shard(row + 0, layer_axis=True)
+            return carry, shard(_copy(row), layer_axis=True)
 
     return jax.lax.scan(body, None, value)[1]
 
@@ -355,7 +366,9 @@ def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
                 owners.append((tuple(path), node))
         owners.sort(key=lambda o: -len(o[0]))
         for path, node in nnx.iter_graph(model):
-            if not isinstance(node, nnx.Variable) or not _is_num(node.get_value()):
+            if not isinstance(node, nnx.Variable):
+                continue
+            if not (_is_num(node.get_value()) or _is_key(node.get_value())):
                 continue
             path = tuple(path)
             shard = _deferred_sharding(node, eager)
@@ -368,7 +381,7 @@ def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
                     if stage is not None:  # virtual (interleaved) stage -> its submesh
                         stage = stage % mesh.num_stages
                     place = _module_task(owner, stage)
-                    node.set_value(place(lambda y, shard=shard: shard(y + 0))(node.get_value()))
+                    node.set_value(place(lambda y, shard=shard: shard(_copy(y)))(node.get_value()))
                     break
             else:
                 node.set_value(shard(node.get_value()))

@@ -774,7 +774,7 @@ class Executable:
                 jax.make_array_from_single_device_arrays(
                     shape, gsh, parts, dtype=outs[idxs[0]].dtype
                 ),
-                outs[idxs[0]].weak_type,
+                getattr(outs[idxs[0]], "weak_type", False),  # PRNG keys have none
             )
         for k in self._dup_outputs:
             outs[k] = _compat.fresh_copy([outs[k]])[0]
