@@ -348,18 +348,22 @@ def test_interleaving_errors():
     with pytest.raises(ValueError, match="out of range"):
         mm.jit(g, mesh=mmesh)(weights(4), x, y)
 
-    # tasks on 3 of 4 submeshes: M=4 divides the mesh's 4 (the message said "the number
-    # of submeshes (3)")
+    # tasks on 3 of 4 submeshes, two stages on each: M=4 divides the mesh's 4 (the
+    # message said "the number of submeshes (3)")
     def loss(ws, x, y):
         h = x
-        for i, st in enumerate([0, 2, 3]):
+        for i, st in enumerate([0, 2, 3, 4, 6, 7]):
             with mm.task(f"t{i}", stage=st):
                 h = h + jnp.tanh(h @ ws[i])
         return jnp.mean((h - y) ** 2)
 
     g = mm.microbatch(jax.value_and_grad(loss), 4, argnums=(1, 2), schedule="interleaved-1f1b")
     with pytest.raises(ValueError, match=r"submeshes the pipeline's tasks use \(3\)"):
-        mm.jit(g, mesh=stage_mesh(4))(weights(3), x, y)
+        mm.jit(g, mesh=stage_mesh(4))(weights(6), x, y)
+    # one stage per submesh: 1F1B, which takes any M
+    g = mm.microbatch(jax.value_and_grad(mlp(2)), 3, argnums=(1, 2), schedule="interleaved-1f1b")
+    w2, x6, y6 = weights(2), jnp.ones((6, 8)), jnp.ones((6, 8))
+    assert_close(mm.jit(g, mesh=mmesh)(w2, x6, y6), reference(g, mmesh, w2, x6, y6), rtol=1e-5)
 
 
 def test_virtual_stages_outside_the_interleaved_loop_of_the_same_step():
