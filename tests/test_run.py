@@ -454,33 +454,22 @@ def test_empty_output_paths_are_usage_errors(flag, capsys):
     assert f"{flag} needs a path" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(
-    any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")),
-    reason="a CUDA plugin is installed",
+@pytest.mark.parametrize(
+    "backend, runtimes",
+    [("gpu", ("jax_cuda12_plugin", "jax_cuda13_plugin")), ("tpu", ("libtpu",))],
 )
-def test_gpu_backend_without_gpus_is_a_usage_error():
+def test_an_accelerator_backend_without_its_devices_is_a_usage_error(backend, runtimes):
+    if any(importlib.util.find_spec(m) for m in runtimes):
+        pytest.skip(f"a {backend.upper()} runtime is installed")
     r = subprocess.run(
-        [sys.executable, "-m", "multimesh.run", "--backend", "gpu", "--num-steps", "1"],
+        [sys.executable, "-m", "multimesh.run", "--backend", backend, "--num-steps", "1"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "--backend gpu: JAX found no GPU devices" in r.stderr.strip().splitlines()[-1]
-
-
-@pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is not None, reason="a TPU runtime is installed"
-)
-def test_tpu_backend_without_tpus_is_a_usage_error():
-    r = subprocess.run(
-        [sys.executable, "-m", "multimesh.run", "--backend", "tpu", "--num-steps", "1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "--backend tpu: JAX found no TPU devices" in r.stderr.strip().splitlines()[-1]
+    want = f"--backend {backend}: JAX found no {backend.upper()} devices"
+    assert want in r.stderr.strip().splitlines()[-1]
 
 
 def test_model_flops_utilisation_knows_tpus(monkeypatch):

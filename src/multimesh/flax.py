@@ -21,6 +21,7 @@ import jax
 from jax.sharding import Mesh
 
 from multimesh import _compat
+from multimesh.compiler.keys import is_key
 from multimesh.tasks import ByLayer
 from multimesh.tasks import task as _task
 
@@ -279,14 +280,10 @@ def _is_num(x: Any) -> bool:
     return hasattr(x, "dtype") and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
 
 
-def _is_key(x: Any) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def _copy(y: Any) -> Any:
     """``y`` made again by an operation where it is called (in a task: on its submesh);
     a PRNG key (an ``nnx.Rngs`` stream's) through its key data."""
-    if _is_key(y):
+    if is_key(y):
         impl = jax.random.key_impl(y)
         return jax.random.wrap_key_data(jax.random.key_data(y) + 0, impl=impl)
     return y + 0
@@ -368,7 +365,7 @@ def create(ctor: Callable[..., Any], *args: Any, mesh: Any) -> Any:
         for path, node in nnx.iter_graph(model):
             if not isinstance(node, nnx.Variable):
                 continue
-            if not (_is_num(node.get_value()) or _is_key(node.get_value())):
+            if not (_is_num(node.get_value()) or is_key(node.get_value())):
                 continue
             path = tuple(path)
             shard = _deferred_sharding(node, eager)

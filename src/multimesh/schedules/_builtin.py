@@ -204,13 +204,8 @@ class Custom(Schedule):
         steps."""
         if any(a[2] != "F" for row in self.steps for a in row):
             return super().forward_order(num_submeshes, num_microbatches, num_chunks)
-        return validate(
-            [list(r) for r in self.steps],
-            num_submeshes,
-            num_microbatches,
-            num_chunks,
-            forward_only=True,
-        )
+        rows = [list(r) for r in self.steps]
+        return validate(rows, num_submeshes, num_microbatches, num_chunks, forward_only=True)
 
     def order(self, num_submeshes: int, num_microbatches: int, num_chunks: int = 1) -> Order:
         return validate(
