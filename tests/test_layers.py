@@ -316,3 +316,109 @@ def test_by_layer_scan_returning_per_layer_prng_keys(mesh4x2):
     assert_close(loss, want_loss, rtol=1e-6)
     np.testing.assert_array_equal(jax.random.key_data(new_keys), jax.random.key_data(want_keys))
     assert new_keys.sharding.spec == P("stage")
+
+
+def _stage_sharded(mmesh, a):
+    return jax.device_put(a, NamedSharding(mmesh.mesh, P("stage")))
+
+
+def test_forward_only_by_layer_scan_reads_each_stages_rows(mesh4x2):
+    """A by-layer scan with no stacked outputs (inference): each stage reads its rows of
+    the stage-sharded weights in place (the whole stack was put on every stage: the
+    rows were bound only when some scan output was stacked)."""
+    ws, x, _ = data()
+    ws = _stage_sharded(mesh4x2, ws)
+
+    def fwd(ws, x):
+        def body(h, w):
+            with mm.task("layers", stage=mm.by_layer()):
+                return h + jnp.tanh(h @ w), None
+
+        return jax.lax.scan(body, x, ws)[0]
+
+    f = mm.jit(fwd, mesh=mesh4x2)
+    plan = f.lower(ws, x).plan
+    assert not [p for p in plan.inputs if p.arg == 0], plan.as_text()
+    rows = sorted((p.stage, p.nbytes) for p in plan.inputs if p.mode == "piece")
+    assert rows == [(s, 2 * D * D * 4) for s in range(4)], plan.as_text()
+    assert_close(f(ws, x), reference(fwd, mesh4x2, ws, x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("donate", [False, True], ids=["kept", "donated"])
+def test_stage_sharded_arguments_returned_as_is_keep_their_layout(donate, mesh4x2):
+    """Stage-sharded arguments (stacked weights, an NNX stack's PRNG keys) returned
+    unchanged next to a by-layer scan come back in their own layout, as fresh arrays
+    (they came back whole on every submesh, replicated: 4x their memory, and the next
+    call moved rows from there)."""
+
+    def f(ws, keys, x):
+        def body(h, wk):
+            w, k = wk
+            with mm.task("L", stage=mm.by_layer()):
+                return h + jnp.tanh(h @ w) * jax.random.uniform(k, h.shape), None
+
+        h, _ = jax.lax.scan(body, x, (ws, keys))
+        return jnp.mean(h**2), ws, keys, ws
+
+    ws0, x, _ = data()
+    keys0 = jax.random.split(jax.random.key(1), L)
+    ws, keys = _stage_sharded(mesh4x2, ws0), _stage_sharded(mesh4x2, keys0)
+    g = mm.jit(f, mesh=mesh4x2, donate_argnums=(0, 1) if donate else ())
+    plan = g.lower(ws, keys, x).plan
+    assert not [p for p in plan.inputs if p.arg in (0, 1)], plan.as_text()
+    want = reference(f, mesh4x2, ws, keys, x)
+    loss, ws2, keys2, ws3 = g(ws, keys, x)
+    assert_close(loss, want[0], rtol=1e-6)
+    np.testing.assert_array_equal(ws2, ws0)
+    np.testing.assert_array_equal(ws3, ws0)
+    np.testing.assert_array_equal(jax.random.key_data(keys2), jax.random.key_data(keys0))
+    for a in (ws2, keys2, ws3):
+        assert_stage_sharded(a, mesh4x2)
+    assert ws.is_deleted() == donate and keys.is_deleted() == donate
+    # fresh arrays: deleting one output touches neither the other nor the argument
+    ws2.delete()
+    np.testing.assert_array_equal(ws3, ws0)
+    if not donate:
+        np.testing.assert_array_equal(ws, ws0)
+    # fed back: the next call reads the rows in place again
+    plan = g.lower(ws3, keys2, x).plan
+    assert not [p for p in plan.inputs if p.arg in (0, 1)], plan.as_text()
+
+
+def test_stage_sharded_argument_returned_with_out_shardings(mesh4x2):
+    """``out_shardings`` for an argument returned as is still decides its layout."""
+    ws0, x, _ = data()
+    ws = _stage_sharded(mesh4x2, ws0)
+
+    def f(ws, x):
+        with mm.task("a", stage=0):
+            y = x @ ws[0]
+        return y, ws
+
+    whole = NamedSharding(mesh4x2.submesh(1), P())
+    y, out = mm.jit(f, mesh=mesh4x2, out_shardings=(None, whole))(ws, x)
+    assert out.sharding == whole
+    np.testing.assert_array_equal(out, ws0)
+    assert_close(y, x @ ws0[0], rtol=1e-6)
+
+
+def test_stacked_weights_indexed_per_stage_read_in_place(mesh4x2):
+    """``ws[i]`` of a stage-sharded stack inside stage ``i // 2``'s task (no by_layer):
+    each stage reads its own rows in place (the whole stack was put on every stage)."""
+    ws0, x, _ = data()
+    ws = _stage_sharded(mesh4x2, ws0)
+
+    def loss(ws, x):
+        for i in range(L):
+            with mm.task(f"s{i // 2}", stage=i // 2):
+                x = x + jnp.tanh(x @ ws[i])
+        return jnp.mean(x**2)
+
+    step = jax.value_and_grad(loss)
+    f = mm.jit(step, mesh=mesh4x2)
+    plan = f.lower(ws, x).plan
+    assert not [p for p in plan.inputs if p.arg == 0], plan.as_text()
+    assert sorted(p.stage for p in plan.inputs if p.mode == "piece") == [0, 1, 2, 3]
+    (v, g), (rv, rg) = f(ws, x), reference(step, mesh4x2, ws, x)
+    assert_close(v, rv, rtol=1e-6)
+    assert_close(g, rg, rtol=1e-5, atol=1e-7)

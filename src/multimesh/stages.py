@@ -170,7 +170,7 @@ class Lowered(_ArgsInfo):
         # per-stage rows, and split outputs leave as one stage-sharded array
         arg_shardings = [committed_sharding(x) for x in flat]
         prog, self._pieces, keep = layers.bind_stage_inputs(
-            prog, arg_shardings, stage_axis, labels.targets
+            prog, arg_shardings, stage_axis, labels.targets, out_shardings
         )
         if self._pieces:
             labels = labels.select(keep)

@@ -382,13 +382,21 @@ class InputPiece:
 
 
 def bind_stage_inputs(
-    prog: FlatProgram, shardings: list[Any], stage_axis: str | None, targets: list[Any]
+    prog: FlatProgram,
+    shardings: list[Any],
+    stage_axis: str | None,
+    targets: list[Any],
+    requested: list[Any] | None = None,
 ) -> tuple[FlatProgram, dict[int, InputPiece], list[int]]:
     """Arguments sharded over the stage axis (dim 0, stage-major) whose rows the program
-    slices per stage: each slice becomes a program input of its own, taken from the
-    argument's shards on that stage (no copy)."""
+    slices per stage: each stage's rows become a program input of their own, taken from
+    the argument's shards on that stage (no copy). A slice of rows within one stage's
+    (``ws[i]`` of a stacked weight) reads them there. Such an argument returned as is
+    (``requested[k]`` None: no ``out_shardings``) is returned as its pieces, assembled
+    into one stage-sharded array like the outputs of :func:`bind_stage_outputs`, in
+    the argument's own layout (not gathered whole onto a submesh)."""
     keep_all = list(range(len(prog.eqns)))
-    if stage_axis is None or not prog.splits:
+    if stage_axis is None:
         return prog, {}, keep_all
     by_devs = {frozenset(t.device_ids): t.index for t in targets}
     rows: dict[Any, dict[tuple[int, int], int]] = {}  # invar -> (start, stop) -> target
@@ -400,19 +408,52 @@ def bind_stage_inputs(
         return prog, {}, keep_all
     arg_of = {v: i for i, v in enumerate(prog.invars)}
     eqns, invars, pieces, keep = [], list(prog.invars), {}, []
+    bound: dict[tuple[Any, int, int], Any] = {}  # (argument, start, stop) -> its input
+
+    def bind(v: Any, a: int, b: int, t: int, var: Any = None) -> Any:
+        if (v, a, b) not in bound:
+            var = var or _compat.Var(v.aval.update(shape=(b - a, *v.aval.shape[1:])))
+            invars.append(var)
+            pieces[len(invars) - 1] = InputPiece(arg_of[v], a, b, t)
+            bound[(v, a, b)] = var
+        return bound[(v, a, b)]
+
     for idx, e in enumerate(prog.eqns):
         if e.primitive.name == "slice" and e.invars[0] in rows:
             cut = _row_slice(e)
-            t = rows[e.invars[0]].get(cut) if cut is not None else None
-            if t is not None:
-                invars.append(e.outvars[0])
-                pieces[len(invars) - 1] = InputPiece(arg_of[e.invars[0]], cut[0], cut[1], t)
-                continue
+            block = _block_of(rows[e.invars[0]], cut) if cut is not None else None
+            if block is not None:
+                (a, b), t = block
+                if cut == (a, b) and (e.invars[0], a, b) not in bound:
+                    bind(e.invars[0], a, b, t, e.outvars[0])  # the slice is the input
+                    continue
+                piece = bind(e.invars[0], a, b, t)
+                p = e.params
+                start = (cut[0] - a, *tuple(p["start_indices"])[1:])
+                limit = (cut[1] - a, *tuple(p["limit_indices"])[1:])
+                e = e.replace(
+                    invars=[piece], params={**p, "start_indices": start, "limit_indices": limit}
+                )
         eqns.append(e)
         keep.append(idx)
+    splits = dict(prog.splits)
+    for k, v in enumerate(prog.outvars):
+        if v in rows and (requested is None or k >= len(requested) or requested[k] is None):
+            ranges = tuple((a, b, t) for (a, b), t in sorted(rows[v].items()))
+            splits[v] = Split(ranges, [bind(v, a, b, t) for a, b, t in ranges])
     if not pieces:
         return prog, {}, keep_all
-    return dataclasses.replace(prog, eqns=eqns, invars=invars), pieces, keep
+    return dataclasses.replace(prog, eqns=eqns, invars=invars, splits=splits), pieces, keep
+
+
+def _block_of(
+    blocks: dict[tuple[int, int], int], cut: tuple[int, int]
+) -> tuple[tuple[int, int], int] | None:
+    """The stage's rows (and its target) holding rows ``cut``, if one does."""
+    for (a, b), t in blocks.items():
+        if a <= cut[0] and cut[1] <= b and cut[0] < cut[1]:
+            return (a, b), t
+    return None
 
 
 def _stage_rows(sh: Any, stage_axis: str, by_devs: dict, shape: tuple[int, ...]) -> dict:
