@@ -402,23 +402,50 @@ def test_stage_sharded_argument_returned_with_out_shardings(mesh4x2):
     assert_close(y, x @ ws0[0], rtol=1e-6)
 
 
-def test_stacked_weights_indexed_per_stage_read_in_place(mesh4x2):
+@pytest.mark.parametrize("m", [None, 2], ids=["whole-batch", "microbatched"])
+def test_stacked_weights_indexed_per_stage_stay_in_place(m, mesh4x2):
     """``ws[i]`` of a stage-sharded stack inside stage ``i // 2``'s task (no by_layer):
-    each stage reads its own rows in place (the whole stack was put on every stage)."""
-    ws0, x, _ = data()
-    ws = _stage_sharded(mesh4x2, ws0)
+    each stage reads its own rows in place, its rows' gradient is summed there (each
+    read's transpose pads its cotangent to the whole stack: the padded stack was summed
+    across the stages, moving whole), and the updated stack comes back stage-sharded."""
+    ws0, x, y = data()
 
-    def loss(ws, x):
+    def loss(ws, x, y):
         for i in range(L):
             with mm.task(f"s{i // 2}", stage=i // 2):
                 x = x + jnp.tanh(x @ ws[i])
+        return jnp.mean((x - y) ** 2)
+
+    step = sgd_step(loss, m)
+    f = mm.jit(step, mesh=mesh4x2)
+    ws = _stage_sharded(mesh4x2, ws0)
+    plan = f.lower(ws, x, y).plan
+    assert not [p for p in plan.inputs if p.arg == 0], plan.as_text()
+    assert sorted(p.stage for p in plan.inputs if p.mode == "piece") == [0, 1, 2, 3]
+    assert all(t.nbytes <= 8 * D * 4 for t in plan.transfers), plan.as_text()
+    mw, rw = train_both(f, step, mesh4x2, ws, x, y, 2)
+    assert_close(mw, rw, rtol=1e-5, atol=1e-7)
+    assert_stage_sharded(mw, mesh4x2)
+
+
+def test_row_pads_across_blocks_and_stages(mesh4x2):
+    """Rows read by another stage than their block's, rows straddling two blocks, the
+    same row read twice, and a stack read whole too: the same values and gradients."""
+    ws0, x, _ = data()
+
+    def loss(ws, x):
+        with mm.task("a", stage=0):
+            x = jnp.tanh(x @ ws[7]) + jnp.tanh(x @ ws[0])
+        with mm.task("b", stage=1):
+            x = x @ jnp.sum(ws[1:3], axis=0)  # rows of blocks 0 and 1
+        with mm.task("c", stage=2):
+            x = jnp.tanh(x @ ws[4]) * jnp.tanh(x @ ws[4])
+        with mm.task("d", stage=3):
+            x = x + jnp.sum(ws**2)
         return jnp.mean(x**2)
 
     step = jax.value_and_grad(loss)
-    f = mm.jit(step, mesh=mesh4x2)
-    plan = f.lower(ws, x).plan
-    assert not [p for p in plan.inputs if p.arg == 0], plan.as_text()
-    assert sorted(p.stage for p in plan.inputs if p.mode == "piece") == [0, 1, 2, 3]
-    (v, g), (rv, rg) = f(ws, x), reference(step, mesh4x2, ws, x)
-    assert_close(v, rv, rtol=1e-6)
-    assert_close(g, rg, rtol=1e-5, atol=1e-7)
+    for ws in (ws0, _stage_sharded(mesh4x2, ws0)):
+        (v, g), (rv, rg) = mm.jit(step, mesh=mesh4x2)(ws, x), reference(step, mesh4x2, ws, x)
+        assert_close(v, rv, rtol=1e-6)
+        assert_close(g, rg, rtol=1e-5, atol=1e-7)

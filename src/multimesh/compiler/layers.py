@@ -79,12 +79,14 @@ def layer_spec(eqn: Any, rules: Any, limit: int) -> TaskRef | None:
 
 
 def split_scans(prog: FlatProgram, rules: Any, num_stages: int, limit: int) -> FlatProgram:
-    """Split every scan placed by layer; push element-wise work through the pieces."""
-    if not any(e.primitive.name == "scan" for e in prog.eqns):
+    """Split every scan placed by layer, and sums of row pads (:func:`split_row_pads`);
+    push element-wise work through the pieces."""
+    prog = split_row_pads(prog, num_stages)
+    if not prog.splits and not any(e.primitive.name == "scan" for e in prog.eqns):
         return prog
     eqns: list[Any] = []
-    splits: dict[Any, Split] = {}
-    changed = False
+    splits: dict[Any, Split] = dict(prog.splits)
+    changed = bool(splits)
     for e in prog.eqns:
         if e.primitive.name == "scan":
             ref = layer_spec(e, rules, limit)
@@ -98,6 +100,117 @@ def split_scans(prog: FlatProgram, rules: Any, num_stages: int, limit: int) -> F
     if not changed:
         return prog
     return dataclasses.replace(prog, eqns=_sink_slices(eqns), splits=splits)
+
+
+
+def split_row_pads(prog: FlatProgram, num_stages: int) -> FlatProgram:
+    """Sums of row-padded values are made per stage's block of rows: the gradient of a
+    stacked array read row by row (``ws[i]`` in the task of the stage holding row ``i``
+    of a stage-sharded stack) is each read's cotangent padded to the whole stack, the
+    pads added up, which summed the whole stack across the stages. Each block now sums
+    its own pads (zeros where none falls), so the gradient is held as per-stage pieces
+    like a by-layer scan's, and updates of the stack run per piece."""
+    if num_stages < 2 or not any(e.primitive.name == "pad" for e in prog.eqns):
+        return prog
+    uses: dict[Any, int] = {}
+    for e in prog.eqns:
+        for a in e.invars:
+            if not isinstance(a, Literal):
+                uses[a] = uses.get(a, 0) + 1
+    for v in prog.outvars:
+        if not isinstance(v, Literal):
+            uses[v] = uses.get(v, 0) + 1
+    # value -> the pads it sums: (pad eqn, block, first row within the block)
+    leaves: dict[Any, list[tuple[Any, int, int]]] = {}
+    parts: dict[Any, tuple[Any, Any]] = {}
+    for e in prog.eqns:
+        if e.primitive.name == "pad" and not e.effects:
+            where = _row_pad(e, num_stages)
+            if where is not None:
+                leaves[e.outvars[0]] = [(e, *where)]
+        elif e.primitive.name in ("add_any", "add") and len(e.invars) == 2:
+            a, b = e.invars
+            if isinstance(a, Literal) or isinstance(b, Literal) or a is b:
+                continue
+            if a in leaves and b in leaves and uses[a] == 1 and uses[b] == 1:
+                leaves[e.outvars[0]] = leaves[a] + leaves[b]
+                parts[e.outvars[0]] = (a, b)
+    absorbed = {p for ab in parts.values() for p in ab}
+    roots = {v for v, ls in leaves.items() if v not in absorbed and len({b for _e, b, _r in ls}) > 1}
+    if not roots:
+        return prog
+    dropped: set[Any] = set()  # the roots' sums and pads: made per block instead
+    for v in roots:
+        work = [v]
+        while work:
+            x = work.pop()
+            dropped.add(x)
+            work.extend(parts.get(x, ()))
+    splits = dict(prog.splits)
+    eqns: list[Any] = []
+    for e in prog.eqns:
+        out = e.outvars[0] if len(e.outvars) == 1 else None
+        if out not in dropped:
+            eqns.append(e)
+            continue
+        if out not in roots:
+            continue
+        n = int(out.aval.shape[0])
+        per = n // num_stages
+        pieces = []
+        for j in range(num_stages):
+            acc = None
+            for pad, block, r in leaves[out]:
+                if block != j:
+                    continue
+                x = pad.invars[0]
+                rows = int(x.aval.shape[0])
+                if (r, rows) != (0, per):
+                    cfg = ((r, per - r - rows, 0), *pad.params["padding_config"][1:])
+                    y = _compat.Var(out.aval.update(shape=(per, *out.aval.shape[1:])))
+                    eqns.append(pad.replace(outvars=[y], params={**pad.params, "padding_config": cfg}))
+                    x = y
+                if acc is None:
+                    acc = x
+                else:
+                    s = _compat.Var(out.aval.update(shape=(per, *out.aval.shape[1:])))
+                    eqns.append(e.replace(invars=[acc, x], outvars=[s], source_info=pad.source_info))
+                    acc = s
+            if acc is None:  # no pad in this block: zeros, made where they are needed
+                acc = _compat.Var(out.aval.update(shape=(per, *out.aval.shape[1:])))
+                bare = _compat.drop_scopes(e.source_info.name_stack, lambda s: MARKER in s)
+                like = _compat.with_name_stack(e, bare)
+                shape, dtype = (per, *out.aval.shape[1:]), out.aval.dtype
+                zeros = lambda s=shape, d=dtype: jax.numpy.zeros(s, d)  # noqa: E731
+                eqns.extend(_traced_eqns(zeros, [], [acc], like))
+            pieces.append(acc)
+        eqns.append(_concat(pieces, out, e))
+        splits[out] = Split(tuple((j * per, (j + 1) * per, j) for j in range(num_stages)), pieces)
+    return dataclasses.replace(prog, eqns=eqns, splits=splits)
+
+
+def _row_pad(e: Any, num_stages: int) -> tuple[int, int] | None:
+    """(block, first row within it) of a pad with zeros along dim 0 only whose rows lie in
+    one of ``num_stages`` equal blocks, in a task on that block's stage (the gradient of
+    stage ``s`` reading its own rows of a stage-sharded stack)."""
+    cfg = e.params["padding_config"]
+    value = e.invars[1]
+    if not isinstance(value, Literal) or np.asarray(value.val).any() or not cfg:
+        return None
+    if any(int(i) != 0 for _l, _h, i in cfg) or any(int(a) or int(b) for a, b, _i in cfg[1:]):
+        return None
+    n = int(e.outvars[0].aval.shape[0])
+    lo, hi = int(cfg[0][0]), int(cfg[0][1])
+    if n % num_stages or lo < 0 or hi < 0 or lo + hi >= n:
+        return None
+    per = n // num_stages
+    block = lo // per
+    if n - hi > (block + 1) * per:
+        return None
+    tasks = eqn_tasks(e)
+    if not tasks or tasks[-1].stage != block:
+        return None  # made elsewhere than the block's stage: summed whole, as written
+    return block, lo - block * per
 
 
 def _runs(stages: list[int]) -> Ranges:
