@@ -376,6 +376,34 @@ def test_passthrough_and_literal_outputs(mesh4x2):
     assert got[3] is y or np.array_equal(np.asarray(got[3]), np.asarray(y))
 
 
+def test_arguments_returned_as_is_keep_their_own_layout(mesh4x2):
+    """Committed arguments returned unchanged come back as fresh arrays in their own
+    sharding, whichever stages' work reads them (they came back on the submeshes using
+    them: replicated over stages 0 and 3 for a global array both read)."""
+
+    def f(a, b, c, x):
+        with mm.task("s0", stage=0):
+            x = x @ a + b + c
+        with mm.task("s3", stage=3):
+            x = x @ a + b + c
+        return x, a, b, c
+
+    a = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh4x2.submesh(0), P(None, "data")))
+    b = jax.device_put(jnp.arange(8.0), NamedSharding(mesh4x2.mesh, P()))
+    c = jax.device_put(jnp.arange(8.0), NamedSharding(mesh4x2.mesh, P("data")))
+    x = jnp.ones((4, 8))
+    g = mm.jit(f, mesh=mesh4x2)
+    out = g(a, b, c, x)
+    assert_close(out[0], reference(f, mesh4x2, np.asarray(a), b, c, x)[0])
+    for o, arg in zip(out[1:], (a, b, c)):
+        assert o is not arg and o.sharding == arg.sharding
+        np.testing.assert_array_equal(o, arg)
+    out[2].delete()
+    np.testing.assert_array_equal(b, np.arange(8.0))
+    g(*out[1:2], b, out[3], x)  # fed back: the same plan
+    assert g._cache_size() == 1
+
+
 def test_kwargs_dynamic(mesh4x2):
     got = mm.jit(two_stage, mesh=mesh4x2)(x=jnp.ones(2), y=jnp.ones(2))
     np.testing.assert_allclose(np.asarray(got), 3.0)

@@ -354,8 +354,21 @@ def place(
 
     outs = [v for v in prog.outvars if not isinstance(v, Literal)]
     used.update(outs)
+    arg_set = set(prog.invars)
+    # an argument returned as is comes back where it already is (its own layout), not
+    # on every stage whose work reads it
+    home = {
+        v: loc[v]
+        for v in outs
+        if producer.get(v) is None and v in arg_set and loc[v] is not ANY and loc[v]
+    }
+    for v, where in home.items():
+        for s in sorted(where):
+            demand(v, s)
     for v in outs:
         j = producer.get(v)
+        if v in home:
+            continue
         if j is not None and not floating[j]:
             demand(v, placed[j])  # type: ignore[arg-type]
         elif j is None and loc[v] is not ANY and len(loc[v]) == 1:
@@ -391,7 +404,10 @@ def place(
         else:
             best = min(where)
         demand(v, best)
-    outputs = [[] if isinstance(v, Literal) else sorted(needed[v]) for v in prog.outvars]
+    outputs = [
+        [] if isinstance(v, Literal) else sorted(home[v] if v in home else needed[v])
+        for v in prog.outvars
+    ]
 
     input_stages = {
         v: sorted(needed[v]) for v in list(prog.invars) + list(prog.constvars) if needed.get(v)
