@@ -449,3 +449,33 @@ def test_row_pads_across_blocks_and_stages(mesh4x2):
         (v, g), (rv, rg) = mm.jit(step, mesh=mesh4x2)(ws, x), reference(step, mesh4x2, ws, x)
         assert_close(v, rv, rtol=1e-6)
         assert_close(g, rg, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("spec", [P("stage", None, "data"), P(("stage", "data"))])
+def test_stage_sharded_argument_on_a_mesh_ordering_each_stage_otherwise(spec, mesh4x2):
+    """An argument on a mesh with each stage's devices in another order than its
+    submesh's: its rows are not the submesh's layout, so they are put, not taken as
+    they lie (each stage read other devices' shards: wrong values, no error; found by
+    a probe)."""
+    from jax.sharding import Mesh
+
+    other = Mesh(mesh4x2.mesh.devices[:, ::-1], ("stage", "data"))
+    ws0 = jnp.arange(L * D * D, dtype=jnp.float32).reshape(L, D, D) / (L * D * D)
+    ws = jax.device_put(ws0, NamedSharding(other, spec))
+    x = jnp.ones((4, D))
+
+    def f(ws, x):
+        with mm.task("a", stage=0):
+            y = x @ ws[0]
+
+        def body(h, w):
+            with mm.task("L", stage=mm.by_layer()):
+                return h @ w, None
+
+        return y, jax.lax.scan(body, x, ws)[0], ws
+
+    y, h, back = mm.jit(f, mesh=mesh4x2)(ws, x)
+    ry, rh, _ = jax.jit(f)(ws0, x)
+    assert_close(y, ry, rtol=1e-6)
+    assert_close(h, rh, rtol=1e-5)
+    np.testing.assert_array_equal(back, ws0)

@@ -511,7 +511,7 @@ def bind_stage_inputs(
     keep_all = list(range(len(prog.eqns)))
     if stage_axis is None:
         return prog, {}, keep_all
-    by_devs = {frozenset(t.device_ids): t.index for t in targets}
+    by_devs = {frozenset(t.device_ids): t for t in targets}
     rows: dict[Any, dict[tuple[int, int], int]] = {}  # invar -> (start, stop) -> target
     for v, sh in zip(prog.invars, shardings):
         r = _stage_rows(sh, stage_axis, by_devs, v.aval.shape)
@@ -570,6 +570,9 @@ def _block_of(
 
 
 def _stage_rows(sh: Any, stage_axis: str, by_devs: dict, shape: tuple[int, ...]) -> dict:
+    """(start, stop) -> target of each stage's rows of an argument sharded over the stage
+    axis on dim 0, where each target's devices hold exactly those rows in the layout
+    :func:`piece_spec` gives on its mesh (else ``{}``: the argument is put)."""
     from jax.sharding import NamedSharding
 
     if not isinstance(sh, NamedSharding) or stage_axis not in sh.mesh.axis_names or not shape:
@@ -585,12 +588,33 @@ def _stage_rows(sh: Any, stage_axis: str, by_devs: dict, shape: tuple[int, ...])
     if shape[0] % n_stages:
         return {}
     per = shape[0] // n_stages
+    held = sh.devices_indices_map(shape)
     out = {}
     for j in range(n_stages):
         devs = frozenset(int(d.id) for d in np.take(mesh.devices, [j], axis=dim).flat)
-        if devs not in by_devs:
+        t = by_devs.get(devs)
+        if t is None:
             return {}
-        out[(j * per, (j + 1) * per)] = by_devs[devs]
+        try:
+            piece = NamedSharding(t.mesh, piece_spec(sh, stage_axis))
+            want = piece.devices_indices_map((per, *shape[1:]))
+        except (ValueError, KeyError):  # the submesh lacks the spec's axes
+            return {}
+        for d, idx in want.items():
+            rows = _bounds(idx, (per, *shape[1:]))
+            rows[0] = (rows[0][0] + j * per, rows[0][1] + j * per)
+            if d not in held or _bounds(held[d], shape) != rows:
+                return {}  # the submesh's devices in another order or shape
+        out[(j * per, (j + 1) * per)] = t.index
+    return out
+
+
+def _bounds(idx: tuple[Any, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
+    out = []
+    for k, n in enumerate(shape):
+        s = idx[k] if k < len(idx) else slice(None)
+        a, b, _ = s.indices(n)
+        out.append((a, b))
     return out
 
 

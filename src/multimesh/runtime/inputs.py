@@ -63,9 +63,15 @@ def analyze(x: Any, targets: list[Target], stage_axis: str | None) -> InputInfo:
                 tuple(int(d.id) for d in np.take(mesh.devices, [j], axis=dim).flat): j
                 for j in range(mesh.devices.shape[dim])
             }
+            rest = [k for k in range(len(mesh.axis_names)) if k != dim]
+            names = tuple(mesh.axis_names[k] for k in rest)
+            sizes = tuple(mesh.devices.shape[k] for k in rest)
             for t in targets:
-                if t.device_ids in slices and tuple(t.mesh.axis_names) == tuple(
-                    n for n in mesh.axis_names if n != stage_axis
+                # the same devices in the same order, axes and sizes: the same layout
+                if (
+                    t.device_ids in slices
+                    and tuple(t.mesh.axis_names) == names
+                    and tuple(t.mesh.devices.shape) == sizes
                 ):
                     specs.append((t.index, sh.spec))
     if not specs and sh.is_fully_replicated:
