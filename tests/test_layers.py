@@ -479,3 +479,29 @@ def test_stage_sharded_argument_on_a_mesh_ordering_each_stage_otherwise(spec, me
     assert_close(y, ry, rtol=1e-6)
     assert_close(h, rh, rtol=1e-5)
     np.testing.assert_array_equal(back, ws0)
+
+
+def test_stacked_weights_of_virtual_stages_stay_in_place(mesh4x2):
+    """Interleaved: virtual stage ``v`` (on submesh ``v % 4``) reads ``ws[v % 4][v // 4]``
+    of a stage-sharded ``(4, 2, D, D)`` stack: its rows' gradient is summed on that
+    submesh too (the whole stack was put on stage 0, summed there and returned
+    replicated on it; found by a probe)."""
+    ws0 = jax.random.normal(jax.random.key(0), (4, 2, D, D)) / 3
+    x = jax.random.normal(jax.random.key(1), (8, D))
+    y = jnp.sin(x)
+
+    def loss(ws, x, y):
+        for v in range(8):
+            with mm.task(f"v{v}", stage=v):
+                x = x + jnp.tanh(x @ ws[v % 4][v // 4])
+        return jnp.mean((x - y) ** 2)
+
+    step = sgd_step(loss, 4, schedule="interleaved-1f1b")
+    f = mm.jit(step, mesh=mesh4x2)
+    ws = _stage_sharded(mesh4x2, ws0)
+    plan = f.lower(ws, x, y).plan
+    assert not [p for p in plan.inputs if p.arg == 0], plan.as_text()
+    assert all(t.nbytes <= 8 * D * 4 for t in plan.transfers), plan.as_text()
+    mw, rw = train_both(f, step, mesh4x2, ws, x, y, 2)
+    assert_close(mw, rw, rtol=1e-5, atol=1e-7)
+    assert_stage_sharded(mw, mesh4x2)

@@ -594,9 +594,11 @@ def check_no_stage_axis(s: Any, stage_axis: str | None, what: str) -> None:
         raise ValueError(
             f"{what}: {s} names the stage axis {stage_axis!r}. A value lives on one submesh "
             f"(or is replicated over several); drop {stage_axis!r} from the spec, e.g. "
-            f"{drop_axis(spec, stage_axis)}. (Stacked layers placed "
-            f"by mm.by_layer come back split over {stage_axis!r} by themselves, and such an "
-            "array is taken as it is: give None for it.)"
+            f"{drop_axis(spec, stage_axis)}. (Stacked values held per stage come back "
+            f"split over {stage_axis!r} by themselves: the outputs of a scan split by "
+            "mm.by_layer, updates of a stack whose rows each stage reads (ws[i]), and an "
+            f"argument sharded over {stage_axis!r} returned as is; such an argument is "
+            "also taken as it is. Give None for them.)"
         )
 
 

@@ -207,8 +207,8 @@ def _row_pad(e: Any, num_stages: int) -> tuple[int, int] | None:
     block = lo // per
     if n - hi > (block + 1) * per:
         return None
-    tasks = eqn_tasks(e)
-    if not tasks or tasks[-1].stage != block:
+    tasks = eqn_tasks(e)  # a virtual stage runs on submesh stage % num_stages
+    if not tasks or tasks[-1].stage is None or tasks[-1].stage % num_stages != block:
         return None  # made elsewhere than the block's stage: summed whole, as written
     return block, lo - block * per
 
