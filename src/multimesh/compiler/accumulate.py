@@ -20,7 +20,7 @@ import dataclasses
 from typing import Any
 
 from multimesh import _compat
-from multimesh.compiler.ir import FlatProgram, Labels, Literal
+from multimesh.compiler.ir import FlatProgram, Labels, Literal, use_counts
 from multimesh.microbatch import ACCUMULATE_SCOPE, decode_microbatch
 
 _compat.register_exclusion(__file__)
@@ -45,14 +45,7 @@ def split_accumulators(
         return prog, labels
     eqns = prog.eqns
     producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
-    uses: dict[Any, int] = {}
-    for e in eqns:
-        for a in e.invars:
-            if not isinstance(a, Literal):
-                uses[a] = uses.get(a, 0) + 1
-    for v in prog.outvars:
-        if not isinstance(v, Literal):
-            uses[v] = uses.get(v, 0) + 1
+    uses = use_counts(prog)
 
     def shares(v: Any, mb: Any) -> tuple[list[Any], list[int]]:
         """The values summed into ``v`` (through single-use ``add_any``s of microbatch

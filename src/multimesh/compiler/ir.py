@@ -100,3 +100,13 @@ def aval_nbytes(aval: Any) -> int:
     except TypeError:  # extended dtypes (PRNG keys)
         itemsize = 8
     return int(np.prod(shape, dtype=np.int64)) * int(itemsize)
+
+
+def use_counts(prog: FlatProgram) -> dict[Any, int]:
+    """How many times each variable is read: by equations (once per operand) and as a
+    program output."""
+    uses: dict[Any, int] = {}
+    for v in [a for e in prog.eqns for a in e.invars] + list(prog.outvars):
+        if not isinstance(v, Literal):
+            uses[v] = uses.get(v, 0) + 1
+    return uses

@@ -29,7 +29,7 @@ import numpy as np
 
 from multimesh import _compat
 from multimesh.compiler.inline import _sub_jaxprs, eqn_tasks, inner_tasks
-from multimesh.compiler.ir import FlatProgram, Literal
+from multimesh.compiler.ir import FlatProgram, Literal, use_counts
 from multimesh.tasks import MARKER, TaskRef
 
 _compat.register_exclusion(__file__)
@@ -112,14 +112,7 @@ def split_row_pads(prog: FlatProgram, num_stages: int) -> FlatProgram:
     like a by-layer scan's, and updates of the stack run per piece."""
     if num_stages < 2 or not any(e.primitive.name == "pad" for e in prog.eqns):
         return prog
-    uses: dict[Any, int] = {}
-    for e in prog.eqns:
-        for a in e.invars:
-            if not isinstance(a, Literal):
-                uses[a] = uses.get(a, 0) + 1
-    for v in prog.outvars:
-        if not isinstance(v, Literal):
-            uses[v] = uses.get(v, 0) + 1
+    uses = use_counts(prog)
     # value -> the pads it sums: (pad eqn, block, first row within the block)
     leaves: dict[Any, list[tuple[Any, int, int]]] = {}
     parts: dict[Any, tuple[Any, Any]] = {}
@@ -155,38 +148,40 @@ def split_row_pads(prog: FlatProgram, num_stages: int) -> FlatProgram:
             continue
         if out not in roots:
             continue
-        n = int(out.aval.shape[0])
-        per = n // num_stages
-        pieces = []
-        for j in range(num_stages):
-            acc = None
-            for pad, block, r in leaves[out]:
-                if block != j:
-                    continue
-                x = pad.invars[0]
-                rows = int(x.aval.shape[0])
-                if (r, rows) != (0, per):
-                    cfg = ((r, per - r - rows, 0), *pad.params["padding_config"][1:])
-                    y = _compat.Var(out.aval.update(shape=(per, *out.aval.shape[1:])))
-                    eqns.append(pad.replace(outvars=[y], params={**pad.params, "padding_config": cfg}))
-                    x = y
-                if acc is None:
-                    acc = x
-                else:
-                    s = _compat.Var(out.aval.update(shape=(per, *out.aval.shape[1:])))
-                    eqns.append(e.replace(invars=[acc, x], outvars=[s], source_info=pad.source_info))
-                    acc = s
-            if acc is None:  # no pad in this block: zeros, made where they are needed
-                acc = _compat.Var(out.aval.update(shape=(per, *out.aval.shape[1:])))
-                bare = _compat.drop_scopes(e.source_info.name_stack, lambda s: MARKER in s)
-                like = _compat.with_name_stack(e, bare)
-                shape, dtype = (per, *out.aval.shape[1:]), out.aval.dtype
-                zeros = lambda s=shape, d=dtype: jax.numpy.zeros(s, d)  # noqa: E731
-                eqns.extend(_traced_eqns(zeros, [], [acc], like))
-            pieces.append(acc)
+        per = int(out.aval.shape[0]) // num_stages
+        pieces = [
+            _block_sum(e, [(p, r) for p, b, r in leaves[out] if b == j], per, eqns)
+            for j in range(num_stages)
+        ]
         eqns.append(_concat(pieces, out, e))
         splits[out] = Split(tuple((j * per, (j + 1) * per, j) for j in range(num_stages)), pieces)
     return dataclasses.replace(prog, eqns=eqns, splits=splits)
+
+
+def _block_sum(root: Any, pads: list[tuple[Any, int]], per: int, eqns: list[Any]) -> Any:
+    """One block's piece of the sum ``root`` makes: its ``pads`` (pad eqn, first row in
+    the block) re-cut to the block and added, or zeros where none falls in it."""
+    out = root.outvars[0]
+    aval = out.aval.update(shape=(per, *out.aval.shape[1:]))
+    acc = None
+    for pad, r in pads:
+        x = pad.invars[0]
+        rows = int(x.aval.shape[0])
+        if (r, rows) != (0, per):
+            cfg = ((r, per - r - rows, 0), *pad.params["padding_config"][1:])
+            x = _compat.Var(aval)
+            eqns.append(pad.replace(outvars=[x], params={**pad.params, "padding_config": cfg}))
+        if acc is not None:
+            s = _compat.Var(aval)
+            eqns.append(root.replace(invars=[acc, x], outvars=[s], source_info=pad.source_info))
+            x = s
+        acc = x
+    if acc is None:  # zeros, made where they are needed (in no task)
+        acc = _compat.Var(aval)
+        bare = _compat.drop_scopes(root.source_info.name_stack, lambda s: MARKER in s)
+        zeros = lambda: jax.numpy.zeros(aval.shape, aval.dtype)  # noqa: E731
+        eqns.extend(_traced_eqns(zeros, [], [acc], _compat.with_name_stack(root, bare)))
+    return acc
 
 
 def _row_pad(e: Any, num_stages: int) -> tuple[int, int] | None:
@@ -525,7 +520,8 @@ def bind_stage_inputs(
 
     def bind(v: Any, a: int, b: int, t: int, var: Any = None) -> Any:
         if (v, a, b) not in bound:
-            var = var or _compat.Var(v.aval.update(shape=(b - a, *v.aval.shape[1:])))
+            if var is None:
+                var = _compat.Var(v.aval.update(shape=(b - a, *v.aval.shape[1:])))
             invars.append(var)
             pieces[len(invars) - 1] = InputPiece(arg_of[v], a, b, t)
             bound[(v, a, b)] = var

@@ -354,14 +354,10 @@ def place(
 
     outs = [v for v in prog.outvars if not isinstance(v, Literal)]
     used.update(outs)
-    arg_set = set(prog.invars)
     # an argument returned as is comes back where it already is (its own layout), not
-    # on every stage whose work reads it
-    home = {
-        v: loc[v]
-        for v in outs
-        if producer.get(v) is None and v in arg_set and loc[v] is not ANY and loc[v]
-    }
+    # on every stage whose work reads it (ANY, an argument put by the plan: as below)
+    args = set(prog.invars)
+    home = {v: loc[v] for v in outs if v in args and loc[v]}
     for v, where in home.items():
         for s in sorted(where):
             demand(v, s)
